@@ -1,0 +1,113 @@
+"""``python -m bench``: run the benchmarks, print Markdown tables, write JSON (and the plot).
+
+::
+
+    python -m bench             # full run, for docs/benchmarks.md (about 15 minutes)
+    python -m bench --quick     # the CI smoke run (well under a minute)
+    python -m bench --only lockcycle endtoend --rounds 7
+
+Everything runs against a private ``redis-server`` (``celery_lock.testing.RedisServer``) and real
+worker subprocesses (``CeleryWorker``), stopped by pid at the end whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from celery_lock.testing import RedisServer
+
+from . import endtoend, lockcycle, machine, memory, report, storm
+from .workers import CYCLE_DB
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("lockcycle", "endtoend", "storm", "memory")
+PLOT = ROOT / "docs" / "benchmarks" / "throughput.png"
+
+QUICK = {
+    "lockcycle": lockcycle.Options(rounds=3, cycles=300, warmup=50),
+    "endtoend": endtoend.Options(processes=(2,), rounds=3, tasks=300, warmup=20),
+    "storm": storm.Options(messages=1_000, requests=100, processes=4, rounds=1),
+    "memory": memory.Options(tasks=3_000, checkpoints=3, warmup=200, baseline=False),
+}
+FULL = {
+    "lockcycle": lockcycle.Options(),
+    "endtoend": endtoend.Options(rounds=7),
+    "storm": storm.Options(),
+    "memory": memory.Options(),
+}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--rounds", type=int, help="rounds for lockcycle and endtoend")
+    parser.add_argument("--processes", type=int, nargs="+", help="endtoend worker sizes")
+    parser.add_argument("--tasks", type=int, help="endtoend messages per contender and round")
+    parser.add_argument(
+        "--contenders", nargs="+", help="endtoend contenders, e.g. 'plain Task' celery-lock"
+    )
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument(
+        "--plot", type=Path, help=f"where to write the plot (full run default: {PLOT})"
+    )
+    parser.add_argument("--note", default="", help="a remark stored with the machine")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen sections; print the tables; write JSON and (full run) the plot."""
+    args = parse(sys.argv[1:] if argv is None else argv)
+    # SIGTERM (a CI timeout) unwinds like Ctrl-C: the workers and the server are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    options: dict[str, Any] = dict(QUICK if args.quick else FULL)
+    if args.rounds:
+        for name in ("lockcycle", "endtoend"):
+            options[name] = replace(options[name], rounds=args.rounds)
+    if args.processes:
+        options["endtoend"] = replace(options["endtoend"], processes=tuple(args.processes))
+    if args.tasks:
+        options["endtoend"] = replace(options["endtoend"], tasks=args.tasks)
+    if args.contenders:
+        options["endtoend"] = replace(options["endtoend"], contenders=tuple(args.contenders))
+    began = time.monotonic()
+    results: dict[str, Any] = {"mode": "quick" if args.quick else "full"}
+    with RedisServer() as server:
+        results["machine"] = machine.describe(server.executable)
+        results["machine"]["note"] = args.note
+        for section in SECTIONS:
+            if section not in args.only:
+                continue
+            print(f"[bench] {section} ...", file=sys.stderr, flush=True)
+            started = time.monotonic()
+            if section == "lockcycle":
+                url = server.url_for(CYCLE_DB)
+                results[section] = lockcycle.run(url, options[section])
+                results[section]["server_us_per_cycle"] = lockcycle.server_time_per_cycle(url)
+            else:
+                module = {"endtoend": endtoend, "storm": storm, "memory": memory}[section]
+                results[section] = module.run(server, options[section])
+            results[section]["seconds"] = round(time.monotonic() - started, 1)
+    results["machine"]["load_at_end"] = machine.load_average()
+    results["seconds"] = round(time.monotonic() - began, 1)
+    plot_path = args.plot or (None if args.quick else PLOT)
+    if plot_path is not None and report.plot(results, plot_path):
+        results["plot"] = str(plot_path)
+    path = report.write_json(results, args.out_dir, results["mode"])
+    print(report.render(results))
+    print(
+        f"[bench] {results['mode']} run took {results['seconds']} s; results: {path}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Celery apps that ``python -m bench`` runs in real worker subprocesses."""

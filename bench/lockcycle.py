@@ -1,0 +1,270 @@
+"""Lock cycle: acquire and release one fresh key, one client, one thread, in a tight loop.
+
+The floor is what any safe Redis lock needs: ``SET key token NX PX`` and one ``EVALSHA`` of a
+compare-and-delete script. Beside it, on the same client and in the same rounds:
+
+- celery-lock's :class:`~celery_lock.store.LockStore` (acquire script, release script with its
+  done-marker), alone and with the lease handed to the per-process heartbeat as LockedTask does;
+- celery-lock's two scripts by bare ``EVALSHA`` (no library code: what the server's work and the
+  bigger payload cost on their own);
+- redis-py's ``Lock``, python-redis-lock's ``Lock`` (with and without ``auto_renewal``, which
+  starts a thread per acquisition) and pottery's ``Redlock`` (one master).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from celery_lock.heartbeat import Heartbeat
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.store import LockStore
+
+from .stats import Summary, paired_ratios, rounds
+
+FLOOR = "floor: SET NX PX + EVALSHA"
+CELERY_LOCK = "celery-lock LockStore"
+BARE = "celery-lock scripts, bare EVALSHA"
+
+#: A redis-py Lock's release: compare the token, delete.
+COMPARE_AND_DELETE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+TTL_MS = 60_000
+DONE_TTL_MS = 3_600_000
+HOLDER = Holder(
+    task_id="00000000-0000-4000-8000-000000000000",
+    task_name="bench.cycle",
+    host="bench@host",
+    pid=0,
+)
+
+#: One lock cycle on the key numbered ``n`` (fresh for every call).
+Cycle = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Options:
+    """How much to measure."""
+
+    rounds: int = 9
+    cycles: int = 2000
+    warmup: int = 200
+
+
+def _floor(store: LockStore, stack: ExitStack) -> Cycle:
+    client = store.client
+    sha = client.script_load(COMPARE_AND_DELETE)
+
+    def cycle(n: int) -> None:
+        key, token = f"bench:floor:{n}", secrets.token_hex(16)
+        if not client.set(key, token, nx=True, px=TTL_MS):
+            raise RuntimeError(f"{key} was taken")
+        client.evalsha(sha, 1, key, token)
+
+    return cycle
+
+
+def _celery_lock(store: LockStore, stack: ExitStack) -> Cycle:
+    def cycle(n: int) -> None:
+        keys = RequestKeys.build("bench", "cycle", str(n), "bench.cycle")
+        token = new_token()
+        outcome = store.acquire(keys, token, TTL_MS, HOLDER, DONE_TTL_MS)
+        if not isinstance(outcome, Acquired):
+            raise RuntimeError(f"{keys.lock}: {outcome}")
+        lease = Lease(store, keys, token, TTL_MS, outcome.fence, HOLDER)
+        store.release(lease, success=True, done_ttl_ms=DONE_TTL_MS)
+
+    return cycle
+
+
+def _celery_lock_heartbeat(store: LockStore, stack: ExitStack) -> Cycle:
+    heartbeat = Heartbeat()
+    heartbeat.start()
+    stack.callback(heartbeat.stop)
+    interval = TTL_MS / 3000
+
+    def cycle(n: int) -> None:
+        keys = RequestKeys.build("bench", "cycle-hb", str(n), "bench.cycle")
+        token = new_token()
+        outcome = store.acquire(keys, token, TTL_MS, HOLDER, DONE_TTL_MS)
+        if not isinstance(outcome, Acquired):
+            raise RuntimeError(f"{keys.lock}: {outcome}")
+        lease = Lease(store, keys, token, TTL_MS, outcome.fence, HOLDER)
+        heartbeat.add(lease, interval)
+        heartbeat.discard(lease)
+        store.release(lease, success=True, done_ttl_ms=DONE_TTL_MS)
+
+    return cycle
+
+
+def _bare_scripts(store: LockStore, stack: ExitStack) -> Cycle:
+    client, scripts = store.client, store.scripts
+    for script in (scripts.acquire, scripts.release):
+        client.script_load(script.script)
+    acquire, release = scripts.acquire.sha, scripts.release.sha
+    holder = HOLDER
+
+    def cycle(n: int) -> None:
+        keys = RequestKeys.build("bench", "bare", str(n), "bench.cycle")
+        token = new_token()
+        client.evalsha(
+            acquire,
+            3,
+            keys.lock,
+            keys.fence,
+            keys.done,
+            token,
+            TTL_MS,
+            holder.task_id,
+            holder.task_name,
+            holder.host,
+            holder.pid,
+            DONE_TTL_MS,
+            int(time.time() * 1000),
+        )
+        client.evalsha(
+            release, 2, keys.lock, keys.done, token, DONE_TTL_MS, "success", holder.task_id
+        )
+
+    return cycle
+
+
+def _redis_py(store: LockStore, stack: ExitStack) -> Cycle:
+    client = store.client
+
+    def cycle(n: int) -> None:
+        lock = client.lock(f"bench:redis-py:{n}", timeout=TTL_MS / 1000)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError("not acquired")
+        lock.release()
+
+    return cycle
+
+
+def _python_redis_lock(auto_renewal: bool) -> Callable[[LockStore, ExitStack], Cycle]:
+    def setup(store: LockStore, stack: ExitStack) -> Cycle:
+        import redis_lock  # type: ignore[import-untyped]  # noqa: PLC0415 - optional peer
+
+        client = store.client
+        tag = "renewing" if auto_renewal else "plain"
+
+        def cycle(n: int) -> None:
+            lock = redis_lock.Lock(
+                client, f"bench:{tag}:{n}", expire=TTL_MS // 1000, auto_renewal=auto_renewal
+            )
+            if not lock.acquire(blocking=False):
+                raise RuntimeError("not acquired")
+            lock.release()
+
+        return cycle
+
+    return setup
+
+
+def _pottery(store: LockStore, stack: ExitStack) -> Cycle:
+    from pottery import Redlock  # noqa: PLC0415 - optional peer
+
+    masters = {store.client}
+
+    def cycle(n: int) -> None:
+        lock = Redlock(key=f"bench:pottery:{n}", masters=masters, auto_release_time=TTL_MS / 1000)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError("not acquired")
+        lock.release()
+
+    return cycle
+
+
+CONTENDERS: dict[str, Callable[[LockStore, ExitStack], Cycle]] = {
+    FLOOR: _floor,
+    CELERY_LOCK: _celery_lock,
+    "celery-lock LockStore + heartbeat": _celery_lock_heartbeat,
+    BARE: _bare_scripts,
+    "redis-py Lock": _redis_py,
+    "python-redis-lock": _python_redis_lock(auto_renewal=False),
+    "python-redis-lock auto_renewal": _python_redis_lock(auto_renewal=True),
+    "pottery Redlock": _pottery,
+}
+
+
+def _timed(cycle: Cycle, start: int, count: int) -> float:
+    """Cycles per second over ``count`` fresh keys."""
+    began = time.perf_counter()
+    for n in range(start, start + count):
+        cycle(n)
+    return count / (time.perf_counter() - began)
+
+
+def run(url: str, options: Options) -> dict[str, Any]:
+    """Measure every contender on one client of the store at ``url``; pairwise, by rounds."""
+    store = LockStore.from_url(url)
+    unavailable: dict[str, str] = {}
+    cycles: dict[str, Cycle] = {}
+    samples: dict[str, list[float]] = {}
+    with ExitStack() as stack:
+        stack.callback(store.client.close)
+        for name, setup in CONTENDERS.items():
+            try:
+                cycles[name] = setup(store, stack)
+                cycles[name](-1)  # one cycle outside the clock: imports, scripts, connections
+            except Exception as exc:  # a peer that does not work here is reported, not fatal
+                unavailable[name] = f"{type(exc).__name__}: {exc}"
+                cycles.pop(name, None)
+        for name, cycle in cycles.items():
+            _timed(cycle, 10_000_000, options.warmup)
+            samples[name] = []
+        next_key = 0
+        for _, order in rounds(list(cycles), options.rounds):
+            for name in order:
+                samples[name].append(_timed(cycles[name], next_key, options.cycles))
+                next_key += options.cycles
+        store.client.flushdb()
+    results: dict[str, Any] = {}
+    floor = samples.get(FLOOR)
+    for name, ops in samples.items():
+        entry: dict[str, Any] = {"ops_per_s": Summary.of(ops).as_dict(), "samples": ops}
+        entry["us_per_cycle"] = 1e6 / Summary.of(ops).median
+        if floor is not None:
+            entry["ratio_to_floor"] = Summary.of(paired_ratios(ops, floor)).as_dict()
+        results[name] = entry
+    return {
+        "options": {"rounds": options.rounds, "cycles": options.cycles},
+        "contenders": results,
+        "unavailable": unavailable,
+        "floor": FLOOR,
+    }
+
+
+def server_time_per_cycle(url: str, cycles: int = 2000) -> dict[str, float]:
+    """Microseconds the *server* spends per cycle (``INFO commandstats``): floor vs celery-lock.
+
+    Tells the scripts' own work apart from the client's: the floor runs a SET and a two-command
+    script, celery-lock's acquire script runs seven commands and its release script three.
+    """
+    store = LockStore.from_url(url)
+    client = store.client
+    # What the client sends; a script's time includes the commands it runs.
+    sent = {FLOOR: ("cmdstat_set", "cmdstat_evalsha"), BARE: ("cmdstat_evalsha",)}
+    found: dict[str, float] = {}
+    with ExitStack() as stack:
+        stack.callback(client.close)
+        for name, commands in sent.items():
+            cycle = CONTENDERS[name](store, stack)
+            cycle(-2)
+            client.config_resetstat()
+            for n in range(20_000_000, 20_000_000 + cycles):
+                cycle(n)
+            stats: dict[str, Any] = client.info("commandstats")
+            found[name] = sum(int(stats.get(c, {}).get("usec", 0)) for c in commands) / cycles
+        client.flushdb()
+    return found

@@ -1,0 +1,93 @@
+"""What the numbers were measured on: CPU, cores, memory, Python, redis-server, packages, load."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+#: Distributions whose versions go into every result.
+PACKAGES = (
+    "celery-lock",
+    "celery",
+    "kombu",
+    "billiard",
+    "redis",
+    "tenacity",
+    "python-redis-lock",
+    "pottery",
+    "celery-once",
+    "celery-singleton",
+)
+
+
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (``platform.processor()`` elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def memory_gib() -> float | None:
+    """Total memory in GiB, from ``/proc/meminfo``."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def redis_server_version(executable: str) -> str:
+    """``v=...`` from ``redis-server --version``."""
+    try:
+        out = subprocess.run(
+            [executable, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+    for part in out.split():
+        if part.startswith("v="):
+            return part[2:]
+    return out.strip() or "unknown"
+
+
+def package_versions() -> dict[str, str]:
+    """Installed versions of :data:`PACKAGES` (``"-"`` when not installed)."""
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "-"
+    return found
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def describe(redis_executable: str) -> dict[str, Any]:
+    """Everything :mod:`bench.report` prints about the machine."""
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": memory_gib(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "redis_server": redis_server_version(redis_executable),
+        "packages": package_versions(),
+        "load_at_start": load_average(),
+    }

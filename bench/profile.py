@@ -1,0 +1,157 @@
+"""``python -m bench.profile``: where a locked task's time goes.
+
+Two ways in:
+
+- in-process (default): ``N`` calls of a no-op LockedTask's ``__call__`` exactly as the worker makes
+  them (a request pushed, the real lock store), timed beside a plain task's, then once more
+  under cProfile; prints microseconds per call and the functions that cost the most;
+- ``--worker KIND``: a real solo-pool worker run under cProfile while it drains ``N`` messages
+  of ``plain``, ``locked`` or ``storm`` (ten copies per request id); prints the worker's profile,
+  so Celery's own handling of each outcome (``Ignore`` for a skipped copy) is seen too.
+
+::
+
+    python -m bench.profile --calls 5000
+    python -m bench.profile --worker storm --calls 5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import Celery, Task
+
+from celery_lock import LockedTask
+from celery_lock.runtime import reset_runtime
+from celery_lock.testing import RedisServer
+
+from .workers import LOCK_DB, bench_app, publish, running_worker
+
+#: What the printed profile keeps: the library, Celery's tracer, redis-py's command path.
+FOCUS = r"celery_lock|trace\.py|einfo|redis/client\.py|redis/connection\.py|tenacity|keys\.py"
+
+
+def _calls(task: Task[Any, Any], count: int, first: int) -> float:
+    """Microseconds per ``__call__`` with a worker-like request on the stack."""
+    began = time.perf_counter()
+    for n in range(first, first + count):
+        task.push_request(
+            id=f"bench-{n}",
+            hostname="bench@host",
+            called_directly=False,
+            is_eager=False,
+            args=(n,),
+            kwargs={},
+            delivery_info={},
+        )
+        try:
+            task(n)
+        finally:
+            task.pop_request()
+    return (time.perf_counter() - began) / count * 1e6
+
+
+def in_process(server: RedisServer, calls: int, rounds: int, top: int) -> dict[str, Any]:
+    """Time and profile ``LockedTask.__call__`` beside a plain task's, in this process."""
+    app = Celery("bench-profile", broker=server.url_for(0), set_as_current=False)
+    app.conf.celery_lock_redis_url = server.url_for(LOCK_DB)
+    app.conf.task_ignore_result = True
+
+    @app.task(base=LockedTask, lock_key="request_idx", name="profile.locked", shared=False)
+    def locked(request_idx: int) -> None:
+        """No-op."""
+
+    @app.task(name="profile.plain", shared=False)
+    def plain(request_idx: int) -> None:
+        """No-op."""
+
+    app.finalize()
+    _calls(locked, 200, 10**9)  # connection, scripts
+    _calls(plain, 200, 10**9)
+    samples: dict[str, list[float]] = {"locked": [], "plain": []}
+    first = 0
+    for _ in range(rounds):
+        samples["locked"].append(_calls(locked, calls, first))
+        samples["plain"].append(_calls(plain, calls, first))
+        first += calls
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _calls(locked, calls, first + calls)
+    profiler.disable()
+    reset_runtime(app)
+    server.client(LOCK_DB).flushdb()
+    return {
+        "us_per_call": {k: statistics.median(v) for k, v in samples.items()},
+        "samples": samples,
+        "profile": _top(profiler, top),
+    }
+
+
+def in_worker(server: RedisServer, kind: str, calls: int, top: int) -> dict[str, Any]:
+    """Run a solo worker under cProfile while it drains ``calls`` messages of ``kind``."""
+    module = bench_app(server)
+    task = {"plain": module.plain, "locked": module.locked, "storm": module.storm}[kind]
+    ids = [n % max(1, calls // 10) if kind == "storm" else n for n in range(calls)]
+    with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
+        out = Path(tmp, "worker.pstats")
+        with running_worker(server, module.app, 1, pool="solo", profile_to=out) as worker:
+            queue = f"bench.profile.{kind}"
+            publish(task, ids, queue)
+            drained = worker.drain(queue, 60 + calls / 20)
+        stats = pstats.Stats(str(out))
+    server.client(LOCK_DB).flushdb()
+    return {"kind": kind, "drain_s": drained.seconds, "profile": _top(stats, top)}
+
+
+def _top(source: cProfile.Profile | pstats.Stats, top: int) -> str:
+    text = io.StringIO()
+    stats = source if isinstance(source, pstats.Stats) else pstats.Stats(source)
+    stats.stream = text  # type: ignore[attr-defined]
+    stats.sort_stats("cumulative").print_stats(FOCUS, top)
+    return text.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, run one profile, print it (or its JSON)."""
+    parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
+    parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (in-process)")
+    parser.add_argument("--top", type=int, default=30, help="functions to print")
+    parser.add_argument("--worker", choices=("plain", "locked", "storm"))
+    parser.add_argument("--json", action="store_true", help="print JSON (for A/B scripts)")
+    args = parser.parse_args(argv)
+    with RedisServer() as server:
+        if args.worker:
+            result = in_worker(server, args.worker, args.calls, args.top)
+        else:
+            result = in_process(server, args.calls, args.rounds, args.top)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "profile"}))
+        return 0
+    if "us_per_call" in result:
+        per = result["us_per_call"]
+        print(
+            f"LockedTask.__call__ {per['locked']:.1f} µs, plain Task {per['plain']:.1f} µs "
+            f"(median of {args.rounds} rounds of {args.calls})"
+        )
+    else:
+        print(
+            f"solo worker drained {args.calls} {args.worker} messages in "
+            f"{result['drain_s']:.2f}s (under cProfile)"
+        )
+    print(result["profile"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

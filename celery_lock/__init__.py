@@ -1,0 +1,54 @@
+"""celery-lock: effectively-once Celery tasks with per-request Redis leases.
+
+See :mod:`celery_lock.task` for the user guide.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from . import signals
+from .config import LockSettings
+from .exceptions import (
+    CeleryLockError,
+    ConfigurationError,
+    DuplicateTaskError,
+    LockContendedError,
+    LockKeyError,
+    LockLostError,
+    LockStateError,
+    LockStoreError,
+    LockStoreUnavailableError,
+)
+from .fencing import FencedRedis, StaleFenceError, fenced_set, fenced_update
+from .result import follow
+from .states import SKIPPED, is_skipped
+from .task import LockedTask
+from .worker import install
+
+try:
+    __version__ = version("celery-lock")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "SKIPPED",
+    "CeleryLockError",
+    "ConfigurationError",
+    "DuplicateTaskError",
+    "FencedRedis",
+    "LockContendedError",
+    "LockKeyError",
+    "LockLostError",
+    "LockSettings",
+    "LockStateError",
+    "LockStoreError",
+    "LockStoreUnavailableError",
+    "LockedTask",
+    "StaleFenceError",
+    "__version__",
+    "fenced_set",
+    "fenced_update",
+    "follow",
+    "install",
+    "is_skipped",
+    "signals",
+]

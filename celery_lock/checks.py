@@ -1,0 +1,88 @@
+"""Start-up checks: settings that contradict the guarantees get a warning at worker start.
+
+* a done-marker that lives shorter than the broker's visibility timeout: a message redelivered
+  after the marker expired would run its request again;
+* a heartbeat interval above half the lease TTL: one late beat and the lease lapses;
+* a lock store that may evict keys (``maxmemory`` with a policy other than ``noeviction``):
+  an evicted lease lets a second copy in while the first still runs.
+
+Each check reads settings, plus one ``CONFIG GET`` on the lock store (skipped where the server
+refuses it, as managed services often do).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from celery import Celery
+
+from .config import LockSettings
+from .store import LockStore
+
+__all__ = ["settings_warnings", "store_warnings", "warn_at_startup"]
+
+logger = logging.getLogger(__name__)
+
+#: Kombu's default visibility timeout for the Redis and SQS transports (one hour).
+DEFAULT_VISIBILITY_TIMEOUT = 3600.0
+_VISIBILITY_TRANSPORTS = ("redis", "rediss", "sqs")
+
+
+def _visibility_timeout(app: Celery) -> float | None:
+    broker = str(app.conf.broker_url or "")
+    if broker.split("://", 1)[0] not in _VISIBILITY_TRANSPORTS:
+        return None
+    options = app.conf.broker_transport_options or {}
+    return float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
+
+
+def settings_warnings(app: Celery, name: str, settings: LockSettings) -> list[str]:
+    """What in ``settings`` (of task ``name``) contradicts the guarantees."""
+    found = []
+    visibility = _visibility_timeout(app)
+    if visibility is not None and settings.done_ttl < visibility:
+        found.append(
+            f"{name}: done TTL ({settings.done_ttl:g}s) is shorter than the broker's visibility "
+            f"timeout ({visibility:g}s): a late redelivery would run a finished request again"
+        )
+    if settings.interval > settings.ttl / 2:
+        found.append(
+            f"{name}: heartbeat interval ({settings.interval:g}s) is above half the lease TTL "
+            f"({settings.ttl:g}s): one late beat and the lease lapses while the task runs"
+        )
+    return found
+
+
+def store_warnings(store: LockStore) -> list[str]:
+    """Whether the lock store may evict leases; empty if it cannot tell."""
+    try:
+        config: dict[Any, Any] = store.client.config_get("maxmemory*")
+    except redis.RedisError:
+        return []
+    policy = str(config.get("maxmemory-policy", "noeviction"))
+    if int(config.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
+        return [
+            f"the lock store may evict keys (maxmemory-policy {policy}): an evicted lease lets "
+            "a second copy run; use maxmemory-policy noeviction"
+        ]
+    return []
+
+
+def warn_at_startup(app: Celery, stores: dict[str, LockStore]) -> list[str]:
+    """Log a warning for every contradiction found in the app's lock settings and stores."""
+    from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
+
+    found: list[str] = []
+    found += settings_warnings(app, "celery_lock", LockSettings.resolve(app.conf))
+    for task in app.tasks.values():
+        if isinstance(task, LockedTask):
+            settings = task.lock_settings()
+            if settings != LockSettings.resolve(app.conf):
+                found += settings_warnings(app, task.name, settings)
+    for store in stores.values():
+        found += store_warnings(store)
+    for message in found:
+        logger.warning("celery-lock: %s", message)
+    return found

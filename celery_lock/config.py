@@ -1,0 +1,182 @@
+"""Settings: read from ``app.conf``, overridden per worker by its command-line options and per
+task by task options (``lock_ttl=...`` on the decorator), validated into one frozen object.
+
+Precedence, most specific first: task option, worker option (``--lock-ttl``), ``app.conf``,
+default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal, cast
+from urllib.parse import urlsplit
+
+from .exceptions import ConfigurationError
+
+__all__ = ["DUPLICATE_POLICIES", "LockSettings", "check_value", "validate_redis_url"]
+
+OnDuplicate = Literal["skip", "retry", "raise"]
+DUPLICATE_POLICIES: tuple[OnDuplicate, ...] = ("skip", "retry", "raise")
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def validate_redis_url(setting: str, url: str) -> str:
+    """Return ``url`` if redis-py can connect with it, else raise :class:`ConfigurationError`."""
+    if not isinstance(url, str) or not url:
+        raise ConfigurationError(setting, f"expected a redis:// URL, got {url!r}")
+    parts = urlsplit(url)
+    if parts.scheme not in _REDIS_SCHEMES:
+        raise ConfigurationError(
+            setting, f"expected a redis://, rediss:// or unix:// URL, got scheme {parts.scheme!r}"
+        )
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a malformed port
+    except ValueError as exc:
+        raise ConfigurationError(setting, f"malformed URL: {exc}") from exc
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ConfigurationError(setting, "the URL names no host")
+    return url
+
+
+def _positive_seconds(setting: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigurationError(setting, f"expected seconds, got {value!r}")
+    if not isinstance(value, (int, float)):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ConfigurationError(setting, f"expected seconds, got {value!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(setting, f"must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _on_duplicate(setting: str, value: Any) -> OnDuplicate:
+    if value not in DUPLICATE_POLICIES:
+        raise ConfigurationError(
+            setting, f"must be one of {', '.join(DUPLICATE_POLICIES)}, got {value!r}"
+        )
+    return cast(OnDuplicate, value)
+
+
+def _flag(setting: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(setting, f"must be True or False, got {value!r}")
+    return value
+
+
+def _prefix(setting: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or any(c in value for c in "{} \n"):
+        raise ConfigurationError(
+            setting, f"must be a non-empty string without braces, got {value!r}"
+        )
+    return value
+
+
+def _url_or_none(setting: str, value: Any) -> str | None:
+    return None if value is None else validate_redis_url(setting, value)
+
+
+@dataclass(frozen=True)
+class LockSettings:
+    """The validated lock settings that apply to one task in one process."""
+
+    #: Lock store URL; ``None`` means "the broker URL, when the broker is Redis".
+    redis_url: str | None = None
+    #: Lease time-to-live in seconds; the heartbeat keeps a running task's lease alive.
+    ttl: float = 60.0
+    #: Seconds between heartbeats; ``None`` means a third of the TTL.
+    heartbeat_interval: float | None = None
+    #: What a copy does when another copy of the same task holds the request.
+    on_duplicate: OnDuplicate = "skip"
+    #: How long a completed request is remembered (seconds).
+    done_ttl: float = 24 * 3600.0
+    #: Prefix of every key celery-lock writes.
+    key_prefix: str = "celery-lock"
+    #: Run the body unlocked when the lock store is down (default: fail closed).
+    fail_open: bool = False
+    #: A skipped copy completes as SUCCESS with a marker value instead of SKIPPED (canvas).
+    skip_as_success: bool = False
+
+    @property
+    def ttl_ms(self) -> int:
+        """The lease TTL in milliseconds."""
+        return max(1, int(self.ttl * 1000))
+
+    @property
+    def done_ttl_ms(self) -> int:
+        """The done-marker TTL in milliseconds."""
+        return max(1, int(self.done_ttl * 1000))
+
+    @property
+    def interval(self) -> float:
+        """Seconds between heartbeats."""
+        return self.heartbeat_interval or self.ttl / 3
+
+    @classmethod
+    def resolve(
+        cls,
+        conf: Mapping[str, Any],
+        task_options: Mapping[str, Any] | None = None,
+        task_name: str | None = None,
+        *,
+        check_together: bool = True,
+    ) -> LockSettings:
+        """Read ``celery_lock_*`` from ``conf``, overlay ``lock_*`` task options, validate.
+
+        ``check_together=False`` checks each value on its own only: for task options checked
+        at class creation, before ``app.conf`` is known.
+
+        Raises:
+            ConfigurationError: naming the first setting whose value is invalid.
+        """
+        values: dict[str, Any] = {}
+        names: dict[str, str] = {}
+        for field in fields(cls):
+            option = f"lock_{field.name}"
+            setting = f"celery_{option}"
+            value, name = conf.get(setting), setting
+            if task_options and task_options.get(option) is not None:
+                value = task_options[option]
+                name = f"{task_name}.{option}" if task_name else option
+            if value is not None:
+                values[field.name] = _VALIDATORS[field.name](name, value)
+                names[field.name] = name
+        settings = cls(**values)
+        if not check_together:
+            return settings
+        if settings.heartbeat_interval is not None and settings.heartbeat_interval >= settings.ttl:
+            raise ConfigurationError(
+                names["heartbeat_interval"],
+                f"must be shorter than the lease TTL ({settings.ttl}s), "
+                f"got {settings.heartbeat_interval}s",
+            )
+        return settings
+
+    @classmethod
+    def setting_names(cls) -> list[str]:
+        """The ``app.conf`` names of every setting."""
+        return [f"celery_lock_{field.name}" for field in fields(cls)]
+
+
+_VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
+    "redis_url": _url_or_none,
+    "ttl": _positive_seconds,
+    "heartbeat_interval": _positive_seconds,
+    "on_duplicate": _on_duplicate,
+    "done_ttl": _positive_seconds,
+    "key_prefix": _prefix,
+    "fail_open": _flag,
+    "skip_as_success": _flag,
+}
+
+
+def check_value(field: str, value: Any, name: str) -> Any:
+    """Validate one setting's ``value`` on its own, naming it ``name`` in the error.
+
+    Raises:
+        ConfigurationError: the value is invalid for ``field`` (a :class:`LockSettings` field).
+    """
+    return _VALIDATORS[field](name, value)

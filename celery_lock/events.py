@@ -1,0 +1,47 @@
+"""Celery events sent by celery-lock, for Flower and other event consumers.
+
+``task-skipped``
+    A copy was skipped. Fields: ``name`` (task name), ``lock_key``, ``reason`` (``running`` or
+    ``done``), ``holder`` (task id), and ``result``, a readable summary that Flower displays.
+``task-lock-lost``
+    The heartbeat found a running task's lease lost. Fields: ``name``, ``lock_key``, ``result``.
+
+Events follow the worker's switch: they are sent only when the worker sends task events
+(``celery worker -E`` or ``worker_send_task_events = True``), because ``Task.send_event`` would
+otherwise force them on. Nothing is sent for eager or direct calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Task
+
+__all__ = ["TASK_LOCK_LOST", "TASK_SKIPPED", "send_task_event", "task_events_enabled"]
+
+logger = logging.getLogger(__name__)
+
+TASK_SKIPPED = "task-skipped"
+TASK_LOCK_LOST = "task-lock-lost"
+
+
+def task_events_enabled(task: Task[Any, Any]) -> bool:
+    """Whether this worker sends task events."""
+    return bool(task.app.conf.worker_send_task_events)
+
+
+def send_task_event(
+    task: Task[Any, Any], type_: str, task_id: str, hostname: str | None, **fields: Any
+) -> None:
+    """Send event ``type_`` about ``task_id`` if the worker sends task events; never raise.
+
+    Takes the worker's ``hostname`` explicitly: the heartbeat thread has no task request.
+    """
+    if not hostname or not task_events_enabled(task):
+        return
+    try:
+        with task.app.events.default_dispatcher(hostname=hostname) as dispatcher:
+            dispatcher.send(type_, uuid=task_id, name=task.name, retry=False, **fields)
+    except Exception:  # an event is worth a log line, never a failed task
+        logger.warning("celery-lock: could not send %s for task %s", type_, task_id, exc_info=True)

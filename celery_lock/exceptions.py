@@ -1,0 +1,165 @@
+"""Errors raised by celery-lock.
+
+Every error the library raises on purpose derives from :class:`CeleryLockError`::
+
+    CeleryLockError
+    ├── ConfigurationError        a setting or task option has an invalid value
+    ├── LockKeyError              the request key cannot be derived from a task's arguments
+    ├── LockStoreError            the lock store (Redis) answered an error that is not transient
+    │   ├── LockStoreUnavailableError
+    │   │                         unreachable, or refusing for now, after bounded retries
+    │   └── LockStateError        a key of the request holds a value celery-lock did not write
+    ├── DuplicateTaskError        on_duplicate="raise" and another copy holds the request
+    ├── LockContendedError        the request is held and an eager or direct call cannot defer
+    ├── LockLostError             the lease of a running task expired or was taken over
+    └── StaleFenceError           a fenced write carried a fence below the store's
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CeleryLockError",
+    "ConfigurationError",
+    "DuplicateTaskError",
+    "LockContendedError",
+    "LockKeyError",
+    "LockLostError",
+    "LockStateError",
+    "LockStoreError",
+    "LockStoreUnavailableError",
+    "StaleFenceError",
+]
+
+
+class CeleryLockError(Exception):
+    """Base class of every error celery-lock raises on purpose.
+
+    Each error keeps its constructor arguments in ``args``, so Celery can rebuild it from a
+    result backend and ``AsyncResult.get()`` raises the same type the worker raised.
+    """
+
+
+class ConfigurationError(CeleryLockError, ValueError):
+    """A setting or task option has an invalid value.
+
+    Args:
+        setting: the setting's name as the user wrote it (``celery_lock_ttl``, ``lock_ttl``,
+            ``--lock-ttl``), so the message points at what to change.
+        problem: what is wrong with its value.
+    """
+
+    def __init__(self, setting: str, problem: str = "") -> None:
+        super().__init__(setting, problem)
+        self.setting = setting
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return f"{self.setting}: {self.problem}"
+
+
+class LockKeyError(CeleryLockError, ValueError):
+    """The request key cannot be derived from the task's arguments.
+
+    Raised at class creation when ``lock_key`` names no argument of the task, and at publish
+    or call time when a call lacks the arguments the key is made of.
+    """
+
+    def __init__(self, message: str, *, task_name: str | None = None) -> None:
+        super().__init__(f"{task_name}: {message}" if task_name else message)
+        self.task_name = task_name
+
+
+class LockStoreError(CeleryLockError):
+    """The lock store failed or answered an error; raised as such for an error reply that is
+    neither transient nor about the request's keys (``NOPERM``, an unknown command).
+
+    A task meeting one fails: trying again later would not help.
+    """
+
+    def __init__(self, message: str, *, lock_name: str | None = None) -> None:
+        super().__init__(f"{message} (lock {lock_name})" if lock_name else message)
+        self.lock_name = lock_name
+
+
+class LockStoreUnavailableError(LockStoreError):
+    """The lock store stayed unreachable, or kept refusing for now (``LOADING``, ``READONLY``,
+    ``OOM``, ``BUSY``, ...), for every one of a bounded number of jittered tries.
+
+    A task meeting one is deferred (fail closed) or, with ``celery_lock_fail_open``, runs
+    unlocked.
+    """
+
+
+class LockStateError(LockStoreError):
+    """A key of the request holds a value celery-lock did not write: the lock is not a hash
+    (or a hash with no owner or no TTL), the fence counter is not an integer, the done-marker
+    is not a string.
+
+    Trying again cannot help, and running unlocked is not safe: a task meeting one fails
+    (even with ``celery_lock_fail_open``). Delete or repair the key named by ``key``.
+    """
+
+    def __init__(
+        self, message: str, *, lock_name: str | None = None, key: str | None = None
+    ) -> None:
+        super().__init__(message, lock_name=lock_name)
+        self.key = key
+
+
+class DuplicateTaskError(CeleryLockError):
+    """Another copy of the same task holds the request (policy ``on_duplicate="raise"``)."""
+
+    def __init__(self, lock_name: str, holder: str = "") -> None:
+        super().__init__(lock_name, holder)
+        self.lock_name = lock_name
+        self.holder = holder
+
+    def __str__(self) -> str:
+        return f"request {self.lock_name} is already running as task {self.holder}"
+
+
+class LockContendedError(CeleryLockError):
+    """The request is held and this call cannot be deferred (eager mode or a direct call)."""
+
+    def __init__(self, lock_name: str, holder: str = "") -> None:
+        super().__init__(lock_name, holder)
+        self.lock_name = lock_name
+        self.holder = holder
+
+    def __str__(self) -> str:
+        return f"request {self.lock_name} is held by task {self.holder}; cannot defer this call"
+
+
+class LockLostError(CeleryLockError):
+    """The lease of a running task expired or was taken over by another holder."""
+
+    def __init__(self, lock_name: str) -> None:
+        super().__init__(lock_name)
+        self.lock_name = lock_name
+
+    def __str__(self) -> str:
+        return f"lease on {self.lock_name} was lost while the task ran"
+
+
+class StaleFenceError(CeleryLockError):
+    """A write carried a fence smaller than one the store has already accepted.
+
+    The writer's lease was lost and a later holder of the request has written since.
+
+    Args:
+        record: the record written to (a Redis key, or ``table:key`` for SQL).
+        fence: the writer's fence.
+        current: the stored fence that outranks it, when known.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, record: str, fence: int, current: int | None = None) -> None:
+        super().__init__(record, fence, current)
+        self.record = record
+        self.fence = fence
+        self.current = current
+
+    def __str__(self) -> str:
+        stored = "a newer one" if self.current is None else str(self.current)
+        return f"stale fence {self.fence} for {self.record}: the store holds {stored}"

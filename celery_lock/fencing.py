@@ -1,0 +1,346 @@
+"""Fenced writes: make a store reject a holder whose lease was lost.
+
+A lease can be lost while its body still runs: the process paused (GC, swap, ``SIGSTOP``, a VM
+migration) past the lease's TTL, another copy took the request, and then the paused body wakes
+and writes. No lock can stop that write; the store receiving it can. Every grant of a request's
+lease carries a **fence**, strictly greater than every earlier grant's for that request
+(``self.request.lock_fence``). Hand it to each write; the store keeps the largest fence it has
+accepted and refuses a write with a smaller one (Kleppmann's fencing tokens).
+
+The rule, here and in :func:`fenced_update`: a write is accepted when its fence is **greater than
+or equal to** the stored fence. Equal is allowed because a fence belongs to one grant: the same
+holder may write twice, or retry a write whose reply was lost. A smaller fence is a stale holder.
+
+Worker side, with the record in Redis::
+
+    import redis
+    from celery_lock import LockedTask
+    from celery_lock.fencing import FencedRedis
+
+    sink = FencedRedis(redis.Redis.from_url("redis://results:6379/0"))
+
+    @app.task(base=LockedTask, bind=True, lock_key="order_id")
+    def settle(self, order_id):
+        total = compute_total(order_id)
+        # Raises StaleFenceError if a later holder of this order has written already.
+        sink.set(f"total:{order_id}", total, self.request.lock_fence, raise_on_stale=True)
+
+or in a SQL table with a ``fence`` column (the row must exist; ``NULL`` counts as no fence)::
+
+    from celery_lock.fencing import fenced_update
+
+    @app.task(base=LockedTask, bind=True, lock_key="order_id")
+    def settle(self, order_id):
+        with connect() as conn:  # any DB-API connection; the update runs in its transaction
+            written = fenced_update(conn, "orders", "id", order_id,
+                                    {"status": "settled"}, self.request.lock_fence)
+        if not written:
+            ...  # a later holder got there first (or the row is missing): leave it alone
+
+The same pattern by hand, for any SQL store::
+
+    UPDATE orders SET status = :status, fence = :fence
+     WHERE id = :id AND (fence IS NULL OR fence <= :fence)
+
+What fencing does not give: a fence only orders grants **of one request** (the counter is per
+request key), so keep one fenced record per request. The counter lives as long as the
+done-marker (``celery_lock_done_ttl``) after the last grant; once it expires (or is evicted),
+fences start again from 1, so a fenced record should not outlive it (``ttl=``). Only stores that
+check the fence are protected; a stale holder can still send an e-mail or write to a store that
+does not. And :meth:`celery_lock.LockedTask.check_lock` before a write narrows the window but
+cannot close it: the process can pause between the check and the write.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis
+from redis.commands.core import Script
+
+from .exceptions import StaleFenceError
+
+__all__ = [
+    "FENCED_SET",
+    "MAX_FENCE",
+    "FencedRedis",
+    "FencedValue",
+    "StaleFenceError",
+    "fenced_get",
+    "fenced_set",
+    "fenced_update",
+]
+
+#: The largest fence accepted: Lua compares numbers as doubles, exact up to 2**53.
+MAX_FENCE = 2**53
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PARAMSTYLES = ("qmark", "numeric", "named", "format", "pyformat")
+
+# KEYS[1] - the fenced record (hash: value, fence)
+# ARGV[1] - value
+# ARGV[2] - fence of the writer (an integer, 0 <= fence <= 2**53)
+# ARGV[3] - TTL of the record in milliseconds; 0 leaves its expiry as it is
+# return {1, <fence>} if accepted (no fence stored, or the stored one is <= ARGV[2]): both
+#        fields written
+#      | {0, <stored fence>} if the writer's fence is smaller: nothing written
+FENCED_SET = """
+local fence = tonumber(ARGV[2])
+local stored = tonumber(redis.call('HGET', KEYS[1], 'fence'))
+if stored and fence < stored then
+    return {0, stored}
+end
+redis.call('HSET', KEYS[1], 'value', ARGV[1], 'fence', ARGV[2])
+if tonumber(ARGV[3]) > 0 then
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+return {1, fence}
+"""
+
+
+@dataclass(frozen=True)
+class FencedValue:
+    """A fenced record as stored: the value and the fence of the write that stored it.
+
+    ``value`` is ``bytes``, or ``str`` from a client made with ``decode_responses=True``.
+
+    .. versionadded:: 0.1.0
+    """
+
+    value: bytes | str
+    fence: int
+
+
+def _check_fence(fence: int) -> int:
+    if isinstance(fence, bool) or not isinstance(fence, int):
+        raise TypeError(f"a fence is an int, got {type(fence).__name__}")
+    if not 0 <= fence <= MAX_FENCE:
+        raise ValueError(f"a fence is between 0 and 2**53, got {fence}")
+    return fence
+
+
+class FencedRedis:
+    """Fenced records in Redis: one hash per record holding ``value`` and ``fence``.
+
+    Registers :data:`FENCED_SET` on ``client`` once; each write is one ``EVALSHA`` on one key,
+    so it runs unchanged on Redis Cluster.
+
+    Args:
+        client: the Redis client of the store that receives the writes.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._script: Script = client.register_script(FENCED_SET)
+
+    def set(
+        self,
+        key: str,
+        value: bytes | str | int | float,
+        fence: int,
+        *,
+        ttl: float | None = None,
+        raise_on_stale: bool = False,
+    ) -> bool:
+        """Store ``value`` at ``key`` unless a larger fence than ``fence`` is stored there.
+
+        Args:
+            key: the record's key; one record per request (fences order one request only).
+            value: what to store.
+            fence: the writer's fence, ``self.request.lock_fence`` in a task.
+            ttl: seconds the record lives from this write; ``None`` leaves its expiry as is.
+            raise_on_stale: raise instead of returning ``False`` when the write is refused.
+
+        Returns:
+            Whether the write was accepted (``fence`` >= the stored fence).
+
+        Raises:
+            StaleFenceError: the write was refused and ``raise_on_stale`` is set.
+            TypeError: ``fence`` is not an int.
+            ValueError: ``fence`` is negative or above :data:`MAX_FENCE`, or ``ttl`` is not
+                positive.
+        """
+        _check_fence(fence)
+        ttl_ms = 0
+        if ttl is not None:
+            if not ttl > 0:
+                raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+            ttl_ms = max(1, int(ttl * 1000))
+        accepted, stored = self._script(keys=[key], args=[value, fence, ttl_ms])
+        if accepted:
+            return True
+        if raise_on_stale:
+            raise StaleFenceError(key, fence, int(stored))
+        return False
+
+    def get(self, key: str) -> FencedValue | None:
+        """The record at ``key`` with its fence, or ``None`` if there is none."""
+        value, fence = self.client.hmget(key, ["value", "fence"])
+        if value is None or fence is None:
+            return None
+        return FencedValue(value=value, fence=int(fence))
+
+
+def fenced_set(
+    client: redis.Redis,
+    key: str,
+    value: bytes | str | int | float,
+    fence: int,
+    *,
+    ttl: float | None = None,
+    raise_on_stale: bool = False,
+) -> bool:
+    """Store ``value`` at ``key`` in Redis unless a larger fence is stored there.
+
+    A one-off :meth:`FencedRedis.set`; keep a :class:`FencedRedis` for repeated writes.
+
+    Returns:
+        Whether the write was accepted.
+
+    Raises:
+        StaleFenceError: the write was refused and ``raise_on_stale`` is set.
+
+    .. versionadded:: 0.1.0
+    """
+    return FencedRedis(client).set(key, value, fence, ttl=ttl, raise_on_stale=raise_on_stale)
+
+
+def fenced_get(client: redis.Redis, key: str) -> FencedValue | None:
+    """The fenced record at ``key`` written by :func:`fenced_set`, or ``None``.
+
+    .. versionadded:: 0.1.0
+    """
+    return FencedRedis(client).get(key)
+
+
+class _Cursor(Protocol):
+    rowcount: int
+
+    def execute(self, operation: str, parameters: Any = ..., /) -> Any: ...
+
+    def close(self) -> Any: ...
+
+
+class _Connection(Protocol):
+    def cursor(self) -> Any: ...
+
+
+def _identifier(name: str, what: str) -> str:
+    if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
+        raise ValueError(f"{what} must match [A-Za-z_][A-Za-z0-9_]*, got {name!r}")
+    return name
+
+
+def _paramstyle(conn: _Connection) -> str:
+    driver = sys.modules.get(type(conn).__module__.split(".", 1)[0])
+    style = getattr(driver, "paramstyle", None)
+    if style not in _PARAMSTYLES:
+        raise ValueError(
+            f"cannot tell the paramstyle of {type(conn).__module__}.{type(conn).__name__}: "
+            f"pass paramstyle= (one of {', '.join(_PARAMSTYLES)})"
+        )
+    return str(style)
+
+
+def _placeholders(style: str, count: int) -> tuple[list[str], bool]:
+    """SQL placeholders for ``count`` positional values, and whether to bind a dict."""
+    if style == "qmark":
+        return ["?"] * count, False
+    if style == "numeric":
+        return [f":{i}" for i in range(1, count + 1)], False
+    if style == "named":
+        return [f":p{i}" for i in range(count)], True
+    if style == "format":
+        return ["%s"] * count, False
+    if style == "pyformat":
+        return [f"%(p{i})s" for i in range(count)], True
+    raise ValueError(f"paramstyle must be one of {', '.join(_PARAMSTYLES)}, got {style!r}")
+
+
+def fenced_update(
+    conn: _Connection,
+    table: str,
+    key_column: str,
+    key: Any,
+    values: Mapping[str, Any],
+    fence: int,
+    *,
+    fence_column: str = "fence",
+    paramstyle: str | None = None,
+    raise_on_stale: bool = False,
+) -> bool:
+    """Update one row unless it carries a larger fence; store ``fence`` with the update.
+
+    Runs, with every value bound as a parameter::
+
+        UPDATE <table> SET <column> = ?, ..., <fence_column> = ?
+         WHERE <key_column> = ? AND (<fence_column> IS NULL OR <fence_column> <= ?)
+
+    in the connection's current transaction: commit it yourself. Names are checked against
+    ``[A-Za-z_][A-Za-z0-9_]*`` and used unquoted, so no SQL can come in through them.
+
+    Args:
+        conn: a DB-API 2.0 connection (``sqlite3``, ``psycopg``, ...).
+        table: the table's name.
+        key_column: the column identifying the row, e.g. the request key.
+        key: the row's key value.
+        values: the columns to set and their new values (not the key or fence column).
+        fence: the writer's fence, ``self.request.lock_fence`` in a task.
+        fence_column: the integer column holding the row's fence.
+        paramstyle: the driver's placeholder style; by default the driver module's
+            ``paramstyle``.
+        raise_on_stale: raise instead of returning ``False`` when no row was updated.
+
+    Returns:
+        Whether the row was updated. ``False`` means a larger fence is stored, or there is no
+        such row (insert rows before fenced updates). The driver's ``rowcount`` must count
+        matched rows (MySQL: connect with ``CLIENT.FOUND_ROWS``).
+
+    Raises:
+        StaleFenceError: nothing was updated and ``raise_on_stale`` is set.
+        ValueError: a name is not a plain identifier, ``values`` is empty or names the key or
+            fence column, or the paramstyle is unknown.
+        TypeError: ``fence`` is not an int.
+
+    .. versionadded:: 0.1.0
+    """
+    _check_fence(fence)
+    _identifier(table, "table")
+    _identifier(key_column, "key_column")
+    _identifier(fence_column, "fence_column")
+    if not values:
+        raise ValueError("values must name at least one column to set")
+    columns = [_identifier(column, "a column in values") for column in values]
+    if key_column in columns or fence_column in columns:
+        raise ValueError(f"values must not set {key_column!r} or {fence_column!r}")
+    style = paramstyle or _paramstyle(conn)
+    params = [*values.values(), fence, key, fence]
+    marks, named = _placeholders(style, len(params))
+    targets = [*columns, fence_column]
+    assignments = [
+        f"{col} = {mark}" for col, mark in zip(targets, marks[: len(targets)], strict=True)
+    ]
+    # Only validated identifiers and placeholders are formatted in; every value is bound.
+    sql = (
+        f"UPDATE {table} SET {', '.join(assignments)}"
+        f" WHERE {key_column} = {marks[-2]}"
+        f" AND ({fence_column} IS NULL OR {fence_column} <= {marks[-1]})"
+    )
+    bound: Any = {f"p{i}": value for i, value in enumerate(params)} if named else params
+    cursor: _Cursor = conn.cursor()
+    try:
+        cursor.execute(sql, bound)
+        updated = cursor.rowcount > 0
+    finally:
+        cursor.close()
+    if not updated and raise_on_stale:
+        raise StaleFenceError(f"{table}:{key}", fence)
+    return updated

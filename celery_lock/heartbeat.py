@@ -1,0 +1,153 @@
+"""The per-process heartbeat: keeps every lease the process holds alive.
+
+One daemon thread per process (started after fork, stopped at process shutdown) wakes every
+interval and extends all held leases of a store in one pipelined round trip. A lease whose extend
+answers "not yours" is lost at once; a lease that cannot be confirmed (Redis unreachable) is lost
+once a full TTL has passed since it was last confirmed, because by then it has surely expired.
+The thread never dies silently: an unexpected error is logged and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections import defaultdict
+from time import monotonic as _monotonic
+
+import redis
+
+from .exceptions import LockStoreError
+from .lease import Lease
+from .store import LockStore
+
+__all__ = ["Heartbeat"]
+
+logger = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Extends the leases of one process until they are released."""
+
+    def __init__(self, default_interval: float = 20.0) -> None:
+        self.pid = os.getpid()
+        self.default_interval = default_interval
+        self._leases: dict[int, tuple[Lease, float]] = {}
+        #: What the thread waits while no lease is held: the shortest interval it has seen.
+        self._idle_interval = default_interval
+        #: What the thread waits now: only a lease that needs a shorter wait wakes it.
+        self._waiting = math.inf
+        self._guard = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the thread (idempotent)."""
+        with self._guard:
+            if self.running:
+                return
+            self._stopping.clear()
+            self._thread = threading.Thread(
+                target=self._run, name="celery-lock-heartbeat", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and wait (bounded) for it to end."""
+        self._stopping.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        self._thread = None
+
+    def add(self, lease: Lease, interval: float) -> None:
+        """Keep ``lease`` alive, extending it at least every ``interval`` seconds."""
+        with self._guard:
+            self._leases[id(lease)] = (lease, interval)
+            # Waking the thread costs every task a thread switch: wake it only when its wait
+            # is too long for this lease. Since it waits the shortest interval seen even while
+            # no lease is held, a process running one task after another never wakes it.
+            self._idle_interval = min(self._idle_interval, interval)
+            shorter = interval < self._waiting
+        if not self.running:
+            self.start()
+        elif shorter:
+            self._wake.set()
+
+    def discard(self, lease: Lease) -> None:
+        """Stop extending ``lease`` (it is being released)."""
+        with self._guard:
+            self._leases.pop(id(lease), None)
+
+    def leases(self) -> list[Lease]:
+        """The leases held now."""
+        with self._guard:
+            return [lease for lease, _ in self._leases.values()]
+
+    def _interval(self) -> float:
+        return min((i for _, i in self._leases.values()), default=self._idle_interval)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            with self._guard:
+                interval = self._waiting = self._interval()
+            if self._wake.wait(interval):
+                self._wake.clear()
+                continue
+            try:
+                self.beat()
+            except Exception:
+                logger.exception("celery-lock: heartbeat failed; trying again next interval")
+
+    def beat(self) -> None:
+        """Extend every held lease now: one pipelined round trip per lock store."""
+        by_store: dict[LockStore, list[Lease]] = defaultdict(list)
+        for lease in self.leases():
+            if not lease.lost:
+                by_store[lease.store].append(lease)
+        for store, leases in by_store.items():
+            started = _monotonic()
+            try:
+                owned = store.extend_all(leases)
+            except redis.RedisError as exc:
+                # Unreachable, or an error reply (READONLY after a failover): either way the
+                # lease is unconfirmed, and lost once a whole TTL has passed unconfirmed.
+                logger.warning("celery-lock: heartbeat could not extend leases: %s", exc)
+                for lease in leases:
+                    if _monotonic() - lease.confirmed_at >= lease.ttl_ms / 1000:
+                        lease.mark_lost()
+                continue
+            for lease, still_owned in zip(leases, owned, strict=True):
+                if still_owned:
+                    lease.confirmed_at = started
+                else:
+                    lease.mark_lost()
+
+    def hand_back(self) -> int:
+        """Release every held lease without a done-marker; return how many were released.
+
+        For a process about to die with bodies unfinished: where their messages come back (a
+        shutdown with late acks), they run at once instead of waiting a whole TTL.
+        """
+        released = 0
+        for lease in self.leases():
+            self.discard(lease)
+            try:
+                if lease.store.release(lease, success=False, done_ttl_ms=1):
+                    released += 1
+            except LockStoreError as exc:
+                logger.warning("celery-lock: could not hand back %s: %s", lease.keys.lock, exc)
+        if released:
+            logger.warning("celery-lock: handed back %d lease(s) of unfinished tasks", released)
+        return released

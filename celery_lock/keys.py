@@ -1,0 +1,242 @@
+"""Request keys: how a task call names the work it does, and where its lease lives.
+
+``lock_key`` on a task says how to derive the request key from the bound arguments:
+
+* an argument name: ``lock_key="request_idx"``;
+* a format template over the bound arguments: ``lock_key="{tenant}:{request_idx}"``;
+* a callable taking the task's ``*args, **kwargs`` and returning ``str``, ``bytes`` or ``int``;
+* ``None`` (default): a stable digest of the task name and all bound arguments.
+
+The Redis keys of one request share a hash tag, so every script runs on one Redis Cluster slot::
+
+    <prefix>:{<scope>:<request key>}:lock
+    <prefix>:{<scope>:<request key>}:fence
+    <prefix>:{<scope>:<request key>}:done:<task name>
+
+A request key that is long, binary or contains braces is replaced by a readable prefix and a
+digest, so a key is always bounded and never breaks the hash tag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import re
+import string
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .exceptions import LockKeyError
+
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "KeyDeriver",
+    "RequestKeys",
+    "digest_arguments",
+    "safe_key_part",
+]
+
+#: Longest request key (or scope) kept as written; longer ones are digested.
+MAX_KEY_LENGTH = 128
+_READABLE_PREFIX = 40
+_SAFE = re.compile(r"[A-Za-z0-9_.:@/+=-]*")
+
+LockKeySpec = str | Callable[..., Any] | None
+
+
+def safe_key_part(raw: str | bytes) -> str:
+    """Return ``raw`` if it is short and plain, else a readable prefix plus a digest.
+
+    Plain means printable ASCII from a conservative set (no braces, no spaces, no control
+    characters). The digest keeps distinct inputs distinct; the prefix keeps logs readable.
+    """
+    if isinstance(raw, str) and len(raw) <= MAX_KEY_LENGTH and _SAFE.fullmatch(raw):
+        return raw
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    text = data.decode("ascii", "replace") if isinstance(raw, bytes) else raw
+    readable = "".join(c for c in text[:_READABLE_PREFIX] if _SAFE.fullmatch(c))
+    return f"{readable}~{hashlib.sha256(data).hexdigest()[:32]}"
+
+
+def _canonical(value: Any) -> Any:
+    """A JSON-able form of ``value`` that is equal across processes for equal values."""
+    if isinstance(value, bytes):
+        return {"__bytes__": value.hex()}
+    if isinstance(value, (set, frozenset)):
+        return {"__set__": sorted(json.dumps(v, sort_keys=True, default=_canonical) for v in value)}
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"cannot derive a stable key from a {type(value).__name__}")
+
+
+def digest_arguments(task_name: str, arguments: Mapping[str, Any]) -> str:
+    """A stable digest of a task name and its bound arguments (the default request key)."""
+    try:
+        payload = json.dumps(
+            [task_name, arguments], sort_keys=True, default=_canonical, separators=(",", ":")
+        )
+    except (TypeError, ValueError) as exc:
+        raise LockKeyError(
+            f"the default lock_key needs JSON-like arguments ({exc}); set lock_key",
+            task_name=task_name,
+        ) from exc
+    return "args~" + hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def _render(value: Any) -> str | bytes:
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    return str(value)
+
+
+@dataclass(frozen=True)
+class KeyDeriver:
+    """Derives the request key of one task from the arguments of a call."""
+
+    task_name: str
+    signature: inspect.Signature
+    spec: LockKeySpec
+
+    @classmethod
+    def create(cls, task_name: str, signature: inspect.Signature, spec: LockKeySpec) -> KeyDeriver:
+        """Check ``spec`` against the task's parameters and return the deriver.
+
+        Raises:
+            LockKeyError: ``spec`` names an argument (or template field) the task does not have.
+        """
+        deriver = cls(task_name, signature, spec)
+        if isinstance(spec, str):
+            missing = [name for name in deriver.fields() if name not in signature.parameters]
+            takes_kwargs = any(
+                p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+            )
+            if missing and not takes_kwargs:
+                raise LockKeyError(
+                    f"lock_key {spec!r} names {', '.join(map(repr, missing))}, which is not an "
+                    f"argument of {task_name}{signature}",
+                    task_name=task_name,
+                )
+        elif spec is not None and not callable(spec):
+            raise LockKeyError(
+                f"lock_key must be an argument name, a template or a callable, "
+                f"not {type(spec).__name__}",
+                task_name=task_name,
+            )
+        return deriver
+
+    def fields(self) -> list[str]:
+        """The argument names a string ``lock_key`` refers to."""
+        if not isinstance(self.spec, str):
+            return []
+        if "{" not in self.spec:
+            return [self.spec]
+        try:
+            parsed = list(string.Formatter().parse(self.spec))
+        except ValueError as exc:
+            raise LockKeyError(
+                f"lock_key template {self.spec!r} is malformed: {exc}", task_name=self.task_name
+            ) from exc
+        names = []
+        for _, field, _, _ in parsed:
+            if field is None:
+                continue
+            root = re.split(r"[.\[]", field, maxsplit=1)[0]
+            if not root or root.isdigit():
+                raise LockKeyError(
+                    f"lock_key template {self.spec!r} must name its fields ({{name}})",
+                    task_name=self.task_name,
+                )
+            names.append(root)
+        return names
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Bind a call's arguments to the task's parameters, defaults applied."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise LockKeyError(
+                f"cannot derive the request key: {exc}", task_name=self.task_name
+            ) from exc
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for param in self.signature.parameters.values():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(arguments.pop(param.name, {}))
+        return arguments
+
+    def request_key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """The request key of one call, always bounded and free of hash-tag braces.
+
+        Raises:
+            LockKeyError: the call lacks an argument the key is made of.
+        """
+        spec = self.spec
+        if callable(spec):
+            return safe_key_part(_render(spec(*args, **kwargs)))
+        arguments = self.bind(args, kwargs)
+        if spec is None:
+            return digest_arguments(self.task_name, arguments)
+        missing = [name for name in self.fields() if name not in arguments]
+        if missing:
+            raise LockKeyError(
+                f"the call has no argument {', '.join(map(repr, missing))} for lock_key {spec!r}",
+                task_name=self.task_name,
+            )
+        if "{" not in spec:
+            return safe_key_part(_render(arguments[spec]))
+        rendered = {name: _KeyField(arguments[name]) for name in self.fields()}
+        try:
+            return safe_key_part(spec.format_map(rendered))
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+            raise LockKeyError(
+                f"cannot render lock_key {spec!r} from the call's arguments: {exc!r}",
+                task_name=self.task_name,
+            ) from exc
+
+
+class _KeyField:
+    """Formats a bound argument the way a bare ``lock_key`` renders it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __format__(self, format_spec: str) -> str:
+        if format_spec:
+            return format(self.value, format_spec)
+        rendered = _render(self.value)
+        return rendered.hex() if isinstance(rendered, bytes) else rendered
+
+    def __str__(self) -> str:  # ``{name!s}``: as ``{name}``, never the object's address
+        return self.__format__("")
+
+    def __repr__(self) -> str:  # ``{name!r}``, ``{name!a}``
+        return repr(self.value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.value, name)
+
+    def __getitem__(self, item: Any) -> Any:
+        return self.value[item]
+
+
+@dataclass(frozen=True)
+class RequestKeys:
+    """The Redis keys of one request in one scope, sharing one hash tag."""
+
+    lock: str
+    fence: str
+    done: str
+
+    @classmethod
+    def build(cls, prefix: str, scope: str, request_key: str, task_name: str) -> RequestKeys:
+        """Lay out the keys: ``<prefix>:{<scope>:<request key>}:lock`` and its siblings."""
+        tag = f"{prefix}:{{{safe_key_part(scope)}:{request_key}}}"
+        return cls(
+            lock=f"{tag}:lock",
+            fence=f"{tag}:fence",
+            done=f"{tag}:done:{safe_key_part(task_name)}",
+        )

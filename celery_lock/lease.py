@@ -1,0 +1,110 @@
+"""One request's lease, and the outcomes of asking for it.
+
+A grant is a :class:`Lease` (token, fence, TTL, holder); the other outcomes are values too:
+:class:`Held` (someone else holds it) and :class:`Done` (the request was completed).
+:class:`~celery_lock.store.LockStore` produces them from the script replies.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from time import monotonic as _monotonic
+from typing import TYPE_CHECKING
+
+from .keys import RequestKeys
+
+if TYPE_CHECKING:
+    from .store import LockStore
+
+__all__ = ["Acquired", "Done", "Held", "Holder", "Lease", "Outcome", "new_token"]
+
+logger = logging.getLogger(__name__)
+
+
+def new_token() -> str:
+    """An unguessable owner token: 128 bits from :mod:`secrets` (the OS's CSPRNG, so two
+    processes forked from one parent never draw the same tokens)."""
+    return secrets.token_hex(16)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who asks for a lease: written into the lock so others can see who holds it."""
+
+    task_id: str
+    task_name: str
+    host: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """The lease was granted; ``fence`` is strictly greater than every earlier grant's."""
+
+    fence: int
+
+
+@dataclass(frozen=True)
+class Held:
+    """Another acquisition holds the lease."""
+
+    task_id: str
+    task_name: str
+    pttl_ms: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request was completed by task ``task_id`` and is remembered as done."""
+
+    task_id: str
+
+
+Outcome = Acquired | Held | Done
+
+
+@dataclass(eq=False)
+class Lease:
+    """A granted lease, as the process that holds it sees it."""
+
+    store: LockStore
+    keys: RequestKeys
+    token: str
+    ttl_ms: int
+    fence: int
+    holder: Holder
+    #: Called once, from the heartbeat thread, when the lease is found lost.
+    on_lost: Callable[[Lease], None] | None = None
+    #: When the lease was last known to be ours (monotonic seconds).
+    confirmed_at: float = field(default_factory=_monotonic)
+    # A plain flag (set once, by the heartbeat thread): a threading.Event per lease cost
+    # each task a lock and a condition that nobody waits on.
+    _lost: bool = field(default=False, repr=False)
+
+    @property
+    def lost(self) -> bool:
+        """Whether the lease expired or was taken over while held."""
+        return self._lost
+
+    @property
+    def expired(self) -> bool:
+        """Lost, or a whole TTL has passed since it was last confirmed (no round trip).
+
+        Closes most of the gap after a pause: a resumed body may look before its heartbeat
+        has had a chance to beat.
+        """
+        return self.lost or _monotonic() - self.confirmed_at >= self.ttl_ms / 1000
+
+    def mark_lost(self) -> None:
+        """Record the loss (once) and tell ``on_lost``."""
+        if self._lost:
+            return
+        self._lost = True
+        logger.error(
+            "celery-lock: lease on %s lost while task %s ran", self.keys.lock, self.holder.task_id
+        )
+        if self.on_lost is not None:
+            self.on_lost(self)

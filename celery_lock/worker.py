@@ -1,0 +1,130 @@
+"""Wiring celery-lock into an app: worker options, a worker bootstep, process signals.
+
+``install(app)`` is idempotent. Binding a :class:`~celery_lock.LockedTask` to an app calls it, but
+a task binds only when the app finalizes, after ``celery worker`` has read its command line: call
+``install(app)`` in the module that creates the app to get the worker options::
+
+    app = Celery("shop")
+    celery_lock.install(app)
+
+    $ celery -A shop worker --lock-redis-url redis://locks:6379/0 --lock-ttl 30 \
+        --lock-on-duplicate retry
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import click
+from celery import Celery, bootsteps
+from celery.signals import worker_process_init, worker_process_shutdown
+
+from .checks import warn_at_startup
+from .config import DUPLICATE_POLICIES, LockSettings, check_value
+from .exceptions import ConfigurationError
+from .runtime import get_runtime, lock_store_url, reset_runtime
+from .store import LockStore
+
+__all__ = ["LockStep", "install"]
+
+logger = logging.getLogger(__name__)
+
+_INSTALLED = "_celery_lock_installed"
+
+#: Worker command-line option -> the ``app.conf`` setting it overrides for that worker.
+WORKER_OPTIONS = {
+    "lock_redis_url": "celery_lock_redis_url",
+    "lock_ttl": "celery_lock_ttl",
+    "lock_on_duplicate": "celery_lock_on_duplicate",
+}
+
+
+class LockStep(bootsteps.Step):
+    """Worker bootstep: applies ``--lock-*`` options and checks the settings before the pool forks.
+
+    An invalid setting stops the worker here, before it consumes a message.
+    """
+
+    name = "celery-lock"
+
+    def __init__(self, parent: Any, **options: Any) -> None:
+        app: Celery = parent.app
+        for option, setting in WORKER_OPTIONS.items():
+            value = options.get(option)
+            if value is not None:
+                flag = "--" + option.replace("_", "-")
+                app.conf[setting] = check_value(option.removeprefix("lock_"), value, flag)
+        # Task.send_event would force events on; celery-lock sends them only with -E.
+        if getattr(parent, "task_events", None) is not None:
+            app.conf.worker_send_task_events = bool(parent.task_events)
+        LockSettings.resolve(app.conf)
+        reset_runtime(app)
+        super().__init__(parent, **options)
+        self._check(app)
+
+    @staticmethod
+    def _check(app: Celery) -> None:
+        """Warn about settings that contradict the guarantees (see :mod:`celery_lock.checks`)."""
+        from .task import LockedTask  # noqa: PLC0415 - task imports this module
+
+        urls = {lock_store_url(app, LockSettings.resolve(app.conf))} if _has_store(app) else set()
+        for task in app.tasks.values():
+            if isinstance(task, LockedTask):
+                urls.add(lock_store_url(app, task.lock_settings()))
+        stores = {url: LockStore.from_url(url) for url in urls}
+        try:
+            warn_at_startup(app, stores)
+        finally:
+            for store in stores.values():
+                store.client.close()
+        reset_runtime(app)  # no connection of the main process crosses the fork
+
+
+def _worker_options() -> list[click.Option]:
+    return [
+        click.Option(["--lock-redis-url"], help="celery-lock: lock store URL (redis://...)."),
+        click.Option(["--lock-ttl"], type=float, help="celery-lock: lease TTL in seconds."),
+        click.Option(
+            ["--lock-on-duplicate"],
+            type=click.Choice(DUPLICATE_POLICIES),
+            help="celery-lock: what a copy does when another copy runs.",
+        ),
+    ]
+
+
+def install(app: Celery) -> Celery:
+    """Add the worker options and bootstep, and start/stop the heartbeat with pool processes.
+
+    Returns the app, so it can be used inline. Calling it again does nothing.
+    """
+    if app.__dict__.get(_INSTALLED):
+        return app
+    setattr(app, _INSTALLED, True)
+    app.user_options["worker"].update(_worker_options())
+    app.steps["worker"].add(LockStep)
+
+    def start_heartbeat(**_: Any) -> None:
+        get_runtime(app).heartbeat.start()
+
+    def stop_heartbeat(**_: Any) -> None:
+        # A body cut short (revoke(terminate=True), a shutdown that stops waiting) releases its
+        # lease in LockedTask's finally: billiard turns SIGTERM into an exception in pool
+        # processes. Anything still held is handed back here, so a message that comes back
+        # (shutdown, late ack) runs at once rather than after a TTL.
+        heartbeat = get_runtime(app).heartbeat
+        heartbeat.hand_back()
+        heartbeat.stop()
+
+    uid = f"celery-lock-{id(app)}"
+    worker_process_init.connect(start_heartbeat, weak=False, dispatch_uid=f"{uid}-init")
+    worker_process_shutdown.connect(stop_heartbeat, weak=False, dispatch_uid=f"{uid}-shutdown")
+    return app
+
+
+def _has_store(app: Celery) -> bool:
+    try:
+        lock_store_url(app, LockSettings.resolve(app.conf))
+    except ConfigurationError:
+        return False  # no app-wide store: every task names its own
+    return True

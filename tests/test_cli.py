@@ -1,0 +1,144 @@
+"""``celery -A app lock ...`` against the session's redis-server with real leases."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.store import LockStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def celery_lock_cli(
+    env: dict[str, str], *args: str, stdin: str = ""
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.apps.storm_app", "lock", *args],
+        env={**os.environ, **env}, cwd=ROOT, input=stdin, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def store(worker_env: dict[str, str]) -> LockStore:
+    return LockStore.from_url(worker_env["STORM_LOCK_URL"])
+
+
+def take(store: LockStore, request: int, task_id: str, task: str = "storm.process") -> Lease:
+    """Take a real lease in scope ``storm.process`` as task ``task`` would."""
+    keys = RequestKeys.build("celery-lock", "storm.process", str(request), task)
+    holder = Holder(task_id, task, "host-a", 4242)
+    token = new_token()
+    outcome = store.acquire(keys, token, 30_000, holder, 60_000)
+    assert isinstance(outcome, Acquired)
+    return Lease(store, keys, token, 30_000, outcome.fence, holder)
+
+
+def test_ls_lists_held_leases_with_holder_worker_age_ttl_and_fence(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    for request in range(3):
+        take(store, request, f"task-{request}")
+    done = celery_lock_cli(worker_env, "ls")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["KEY", "TASK", "ID", "WORKER", "AGE", "TTL", "LEFT", "FENCE"]
+    assert "celery-lock:{storm.process:1}:lock" in lines[2]
+    assert "task-1" in lines[2]
+    assert "host-a:4242" in lines[2]
+    assert lines[-1] == "3 lease(s) held"
+
+
+def test_ls_json_is_machine_readable(worker_env: dict[str, str], store: LockStore) -> None:
+    take(store, 7, "task-7")
+    done = celery_lock_cli(worker_env, "--json", "ls")
+    [lease] = json.loads(done.stdout)
+    assert lease["key"] == "celery-lock:{storm.process:7}:lock"
+    assert lease["task_id"] == "task-7"
+    assert lease["fence"] == 1
+    assert 0 < lease["ttl_left_s"] <= 30
+    assert lease["age_s"] >= 0
+
+
+def test_ls_scans_past_one_batch(worker_env: dict[str, str], store: LockStore) -> None:
+    for request in range(1200):  # more than one SCAN batch and one pipeline batch
+        take(store, request, f"t{request}")
+    done = celery_lock_cli(worker_env, "--json", "ls")
+    assert len(json.loads(done.stdout)) == 1200
+
+
+def test_show_reports_lease_fence_and_done_markers(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    lease = take(store, 5, "task-5")
+    store.release(lease, success=True, done_ttl_ms=60_000)
+    take(store, 5, "task-6", task="storm.next")  # the next stage of the same request
+    done = celery_lock_cli(worker_env, "--json", "show", "storm.process:5")
+    info = json.loads(done.stdout)
+    assert info["lease"]["task_id"] == "task-6"
+    assert info["fence"] == 2
+    assert info["done"]["storm.process"]["task_id"] == "task-5"
+    text = celery_lock_cli(worker_env, "show", "celery-lock:{storm.process:5}:lock").stdout
+    assert "holder    task-6 (storm.next) on host-a:4242" in text
+
+
+def test_release_needs_force_and_asks_unless_yes(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    lease = take(store, 3, "task-3")
+    client = store.client
+    refused = celery_lock_cli(worker_env, "release", "storm.process:3")
+    assert refused.returncode != 0
+    assert "--force" in refused.stderr
+    declined = celery_lock_cli(worker_env, "release", "storm.process:3", "--force", stdin="n\n")
+    assert declined.returncode != 0
+    assert client.exists(lease.keys.lock)
+    confirmed = celery_lock_cli(worker_env, "release", "storm.process:3", "--force", stdin="y\n")
+    assert confirmed.returncode == 0
+    assert not client.exists(lease.keys.lock)
+    take(store, 3, "task-4")
+    assert (
+        celery_lock_cli(worker_env, "release", "storm.process:3", "--force", "--yes").returncode
+        == 0
+    )
+    assert not client.exists(lease.keys.lock)
+
+
+def test_forget_drops_done_marker_so_request_may_run_again(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    lease = take(store, 9, "task-9")
+    store.release(lease, success=True, done_ttl_ms=60_000)
+    assert store.client.exists(lease.keys.done)
+    done = celery_lock_cli(worker_env, "forget", "storm.process:9")
+    assert done.stdout.strip() == f"forgot {lease.keys.done}"
+    assert not store.client.exists(lease.keys.done)
+    assert isinstance(take(store, 9, "task-10"), Lease)
+
+
+def test_listing_uses_scan_never_keys(worker_env: dict[str, str], store: LockStore) -> None:
+    take(store, 1, "task-1")
+    client: redis.Redis = store.client
+    before = client.info("commandstats")
+    celery_lock_cli(worker_env, "ls")
+    after = client.info("commandstats")
+    assert after.get("cmdstat_keys", {}).get("calls", 0) == before.get("cmdstat_keys", {}).get(
+        "calls", 0
+    )
+    assert after["cmdstat_scan"]["calls"] > before.get("cmdstat_scan", {}).get("calls", 0)
+
+
+def test_unreachable_store_is_a_clean_error(worker_env: dict[str, str]) -> None:
+    done = celery_lock_cli(worker_env, "--url", "redis://127.0.0.1:1/0", "ls")
+    assert done.returncode == 1
+    assert "cannot reach the lock store" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,242 @@
+"""LockSettings: defaults, ``celery_lock_*`` from the app conf, ``lock_*`` task options on top,
+and a :class:`ConfigurationError` naming the setting for every invalid value."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_lock import ConfigurationError, LockedTask, LockSettings
+
+# One valid, non-default value per setting, and the value it resolves to.
+VALID = {
+    "redis_url": ("redis://cache:6380/2", "redis://cache:6380/2"),
+    "ttl": (30, 30.0),
+    "heartbeat_interval": (5, 5.0),
+    "on_duplicate": ("raise", "raise"),
+    "done_ttl": (600, 600.0),
+    "key_prefix": ("myapp:locks", "myapp:locks"),
+    "fail_open": (True, True),
+    "skip_as_success": (True, True),
+}
+# Another valid value per setting, for the conf a task option overrides.
+OTHER = {
+    "redis_url": "redis://other:6379/0",
+    "ttl": 45,
+    "heartbeat_interval": 7,
+    "on_duplicate": "retry",
+    "done_ttl": 60,
+    "key_prefix": "other",
+    "fail_open": False,
+    "skip_as_success": False,
+}
+
+# Invalid values, each with the setting it belongs to.
+INVALID = [
+    ("ttl", 0),
+    ("ttl", -1),
+    ("ttl", math.nan),
+    ("ttl", math.inf),
+    ("ttl", "abc"),
+    ("ttl", True),
+    ("ttl", [60]),
+    ("heartbeat_interval", 0),
+    ("heartbeat_interval", -5),
+    ("on_duplicate", "maybe"),
+    ("on_duplicate", "SKIP"),
+    ("done_ttl", -1),
+    ("done_ttl", 0),
+    ("key_prefix", "{locks}"),
+    ("key_prefix", "locks}"),
+    ("key_prefix", ""),
+    ("key_prefix", "my locks"),
+    ("key_prefix", 5),
+    ("fail_open", "yes"),
+    ("fail_open", 1),
+    ("skip_as_success", "no"),
+    ("redis_url", "http://x"),
+    ("redis_url", "redis://host:notaport"),
+    ("redis_url", "redis://host:99999"),
+    ("redis_url", "redis://"),
+    ("redis_url", ""),
+    ("redis_url", 6379),
+]
+INVALID_IDS = [f"{name}={value!r}" for name, value in INVALID]
+
+
+def test_defaults() -> None:
+    settings = LockSettings.resolve({})
+    assert settings == LockSettings()
+    assert settings.redis_url is None
+    assert settings.ttl == 60.0
+    assert settings.heartbeat_interval is None
+    assert settings.interval == 20.0
+    assert settings.on_duplicate == "skip"
+    assert settings.done_ttl == 24 * 3600.0
+    assert settings.key_prefix == "celery-lock"
+    assert settings.fail_open is False
+    assert settings.skip_as_success is False
+    assert (settings.ttl_ms, settings.done_ttl_ms) == (60_000, 86_400_000)
+
+
+def test_every_setting_has_a_test_value() -> None:
+    assert sorted(f"celery_lock_{name}" for name in VALID) == sorted(LockSettings.setting_names())
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), [(n, *v) for n, v in VALID.items()])
+def test_setting_is_read_from_conf(name: str, value: Any, expected: Any) -> None:
+    settings = LockSettings.resolve({f"celery_lock_{name}": value})
+    assert getattr(settings, name) == expected
+
+
+def test_settings_are_read_from_a_celery_app_conf() -> None:
+    app = Celery("config_tests", broker="memory://", set_as_current=False)
+    app.conf.celery_lock_ttl = 30
+    app.conf.celery_lock_on_duplicate = "retry"
+    settings = LockSettings.resolve(app.conf)
+    assert (settings.ttl, settings.on_duplicate) == (30.0, "retry")
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), [(n, *v) for n, v in VALID.items()])
+def test_task_option_overrides_conf(name: str, value: Any, expected: Any) -> None:
+    conf = {f"celery_lock_{name}": OTHER[name]}
+    assert getattr(LockSettings.resolve(conf), name) != expected
+    settings = LockSettings.resolve(conf, {f"lock_{name}": value}, "tasks.t")
+    assert getattr(settings, name) == expected
+
+
+def test_task_option_left_none_falls_back_to_conf() -> None:
+    settings = LockSettings.resolve({"celery_lock_ttl": 30}, {"lock_ttl": None}, "tasks.t")
+    assert settings.ttl == 30.0
+
+
+def test_task_option_false_overrides_conf_true() -> None:
+    settings = LockSettings.resolve({"celery_lock_fail_open": True}, {"lock_fail_open": False})
+    assert settings.fail_open is False
+
+
+def test_heartbeat_interval_defaults_to_a_third_of_the_ttl() -> None:
+    assert LockSettings.resolve({"celery_lock_ttl": 9}).interval == 3.0
+    assert LockSettings.resolve({"celery_lock_heartbeat_interval": 2}).interval == 2.0
+
+
+def test_numeric_strings_are_seconds() -> None:
+    assert LockSettings.resolve({"celery_lock_ttl": "12.5"}).ttl == 12.5
+
+
+@pytest.mark.parametrize("url", ["redis://h", "rediss://:pw@h:6380/1", "unix:///tmp/redis.sock"])
+def test_redis_urls_redis_py_accepts_are_valid(url: str) -> None:
+    assert LockSettings.resolve({"celery_lock_redis_url": url}).redis_url == url
+
+
+@pytest.mark.parametrize(("name", "value"), INVALID, ids=INVALID_IDS)
+def test_invalid_conf_value_names_the_setting(name: str, value: Any) -> None:
+    setting = f"celery_lock_{name}"
+    with pytest.raises(ConfigurationError) as raised:
+        LockSettings.resolve({setting: value})
+    assert raised.value.setting == setting
+    assert str(raised.value).startswith(f"{setting}: ")
+
+
+@pytest.mark.parametrize(("name", "value"), INVALID, ids=INVALID_IDS)
+def test_invalid_task_option_names_the_option(name: str, value: Any) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        LockSettings.resolve({}, {f"lock_{name}": value}, "tasks.t")
+    assert raised.value.setting == f"tasks.t.lock_{name}"
+    assert str(raised.value).startswith(f"tasks.t.lock_{name}: ")
+
+
+@pytest.mark.parametrize(("name", "value"), INVALID[:3], ids=INVALID_IDS[:3])
+def test_invalid_task_option_without_task_name_names_the_option(name: str, value: Any) -> None:
+    with pytest.raises(ConfigurationError, match=rf"^lock_{name}: "):
+        LockSettings.resolve({}, {f"lock_{name}": value})
+
+
+def test_invalid_task_option_is_reported_even_when_conf_is_valid() -> None:
+    with pytest.raises(ConfigurationError, match=r"^tasks\.t\.lock_ttl: "):
+        LockSettings.resolve({"celery_lock_ttl": 30}, {"lock_ttl": -1}, "tasks.t")
+
+
+@pytest.mark.parametrize("interval", [30, 45])
+def test_heartbeat_interval_not_shorter_than_ttl_names_the_setting(interval: int) -> None:
+    conf = {"celery_lock_ttl": 30, "celery_lock_heartbeat_interval": interval}
+    with pytest.raises(ConfigurationError, match=r"^celery_lock_heartbeat_interval: .*shorter"):
+        LockSettings.resolve(conf)
+
+
+def test_heartbeat_interval_task_option_not_shorter_than_ttl_names_the_option() -> None:
+    with pytest.raises(ConfigurationError, match=r"^tasks\.t\.lock_heartbeat_interval: .*shorter"):
+        LockSettings.resolve({"celery_lock_ttl": 30}, {"lock_heartbeat_interval": 30}, "tasks.t")
+
+
+def test_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="celery_lock_ttl"):
+        LockSettings.resolve({"celery_lock_ttl": -1})
+
+
+# -- on a LockedTask ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def app() -> Celery:
+    app = Celery("config_tests", broker="memory://", set_as_current=False)
+    app.conf.celery_lock_redis_url = "redis://127.0.0.1:1/0"
+    return app
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("lock_ttl", -1),
+        ("lock_on_duplicate", "nope"),
+        ("lock_done_ttl", "abc"),
+        ("lock_key_prefix", "{x}"),
+        ("lock_fail_open", "yes"),
+        ("lock_redis_url", "http://x"),
+    ],
+)
+def test_invalid_task_option_fails_at_class_creation(app: Celery, option: str, value: Any) -> None:
+    with pytest.raises(ConfigurationError, match=rf"^config_tests\.bad\.{option}: "):
+        # shared=False: a shared task would be added to every app finalized later on.
+        @app.task(
+            base=LockedTask, name="config_tests.bad", shared=False, lazy=False, **{option: value}
+        )
+        def bad(request_idx: Any) -> None:
+            pass
+
+
+def test_valid_task_options_are_applied(app: Celery) -> None:
+    @app.task(
+        base=LockedTask,
+        name="config_tests.good",
+        shared=False,
+        lazy=False,
+        lock_ttl=10,
+        lock_on_duplicate="retry",
+    )
+    def good(request_idx: Any) -> None:
+        pass
+
+    app.conf.celery_lock_ttl = 99
+    app.conf.celery_lock_done_ttl = 7
+    settings = good.lock_settings()
+    assert (settings.ttl, settings.on_duplicate, settings.done_ttl) == (10.0, "retry", 7.0)
+
+
+def test_task_heartbeat_interval_is_checked_against_the_conf_ttl(app: Celery) -> None:
+    app.conf.celery_lock_ttl = 600
+
+    @app.task(
+        base=LockedTask,
+        name="config_tests.long",
+        shared=False,
+        lazy=False,
+        lock_heartbeat_interval=120,
+    )
+    def long(request_idx: Any) -> None:
+        pass
+
+    assert long.lock_settings().interval == 120.0

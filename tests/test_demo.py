@@ -1,0 +1,215 @@
+"""Tests for ``python -m celery_lock.demo``: real runs on a private redis-server, and its verdict.
+
+The runs pass ``--embedded`` or point ``$REDIS_URL`` at a port nobody listens on, so they never
+touch a Redis service of the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from celery_lock.demo.__main__ import Run, main, summarize
+from celery_lock.testing import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_TIMEOUT = 120
+
+
+def demo_env(**extra: str) -> dict[str, str]:
+    """The environment of a demo subprocess: this source tree first on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_LOCK_DEMO_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def run_demo(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "celery_lock.demo", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
+
+
+def table_value(output: str, label: str) -> str:
+    """The value column of the summary row ``label``."""
+    match = re.search(rf"^\s*{re.escape(label)}\s+(\S+)", output, re.MULTILINE)
+    assert match, f"no {label!r} row in:\n{output}"
+    return match.group(1)
+
+
+def reported_pid(output: str, pattern: str) -> int:
+    """The pid the demo printed where ``pattern`` (with one group) matches."""
+    match = re.search(pattern, output)
+    assert match, f"no {pattern!r} in:\n{output}"
+    return int(match.group(1))
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (PID 1 may not reap orphans)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
+
+
+# -- real runs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.worker
+def test_embedded_run_executes_each_request_once() -> None:
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    proc = run_demo(
+        "--requests", "10", "--copies", "3", "--embedded", env=demo_env(REDIS_URL=unreachable)
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "started a private redis-server (--embedded)" in output
+    assert table_value(output, "requests") == "10"
+    assert table_value(output, "copies") == "3"
+    assert table_value(output, "executed") == "10"
+    assert table_value(output, "skipped") == "20"
+    assert table_value(output, "doubles") == "0"
+    assert table_value(output, "fences increasing") == "yes"
+    assert "Traceback" not in output
+
+
+@pytest.mark.worker
+def test_unreachable_redis_url_falls_back_to_a_private_server() -> None:
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    proc = run_demo("--requests", "6", "--copies", "2", env=demo_env(REDIS_URL=unreachable))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert f"nothing usable at {unreachable} ($REDIS_URL)" in output
+    assert "started a private redis-server (falling back)" in output
+    assert table_value(output, "executed") == "6"
+    assert table_value(output, "skipped") == "6"
+    assert table_value(output, "doubles") == "0"
+
+
+@pytest.mark.worker
+def test_ctrl_c_stops_the_worker_and_the_server(tmp_path: Path) -> None:
+    # A child of a background shell may inherit SIGINT ignored: make it raise KeyboardInterrupt.
+    code = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['celery_lock.demo', *sys.argv[1:]]; "
+        "runpy.run_module('celery_lock.demo', run_name='__main__', alter_sys=True)"
+    )
+    args = ["--requests", "200", "--copies", "3", "--work-seconds", "0.2", "--embedded"]
+    out_path = tmp_path / "demo.out"
+    with out_path.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            env=demo_env(),
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "sent:" not in out_path.read_text():
+            assert proc.poll() is None, out_path.read_text()
+            assert time.monotonic() < deadline, out_path.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        returncode = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    output = out_path.read_text()
+    assert returncode == 130, output
+    assert "interrupted: cleaning up" in output
+    server_pid = reported_pid(output, r"redis-server \(--embedded\): pid (\d+)")
+    worker_pid = reported_pid(output, r"worker: pid (\d+)")
+    assert not pid_alive(server_pid)
+    assert not pid_alive(worker_pid)
+    assert group_members(worker_pid) == []  # the pool processes went too
+    assert "log kept" not in output
+
+
+# -- in process --------------------------------------------------------------------------------
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    for option in ("--requests", "--copies", "--concurrency", "--work-seconds", "--timeout"):
+        assert option in help_text
+    assert "--redis-url" in help_text
+    assert "--embedded" in help_text
+
+
+def test_rejects_a_zero_count(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--copies", "0"])
+    assert exit_info.value.code == 2
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+def run(idx: int, start: float, end: float, fence: int | None = 1, task: str = "t") -> Run:
+    return Run(request_idx=idx, task_id=task, fence=fence, pid=1, start=start, end=end)
+
+
+def test_summary_of_a_clean_run() -> None:
+    outcomes = {
+        "a": ("SUCCESS", None),
+        "b": ("SKIPPED", "running"),
+        "c": ("SKIPPED", "done"),
+        "d": ("SUCCESS", None),
+    }
+    summary = summarize([run(0, 0, 1), run(1, 0, 1)], outcomes, 2, 2, wall_seconds=2.0)
+    assert (summary.executed, summary.skipped, summary.doubles) == (2, 2, 0)
+    assert (summary.skipped_running, summary.skipped_done) == (1, 1)
+    assert summary.fences_increasing
+    assert summary.ok
+    assert re.search(r"^\s*throughput\s+2\.0\s+messages settled/s$", summary.table(), re.MULTILINE)
+
+
+def test_summary_counts_a_second_run_and_an_overlap_as_doubles() -> None:
+    runs = [run(0, 0.0, 1.0, fence=1), run(0, 0.5, 1.5, fence=2), run(1, 0, 1)]
+    summary = summarize(runs, {}, 2, 2, wall_seconds=1.0)
+    assert summary.extra_runs == 1
+    assert summary.overlaps == 1
+    assert summary.doubles == 2
+    assert summary.unsettled == 4
+    assert not summary.ok
+    assert table_value(summary.table(), "doubles") == "2"
+
+
+def test_summary_notices_fences_that_do_not_increase_and_requests_that_never_ran() -> None:
+    runs = [run(0, 0.0, 1.0, fence=2), run(0, 2.0, 3.0, fence=2)]
+    summary = summarize(runs, {}, 2, 1, wall_seconds=1.0)
+    assert summary.overlaps == 0
+    assert summary.extra_runs == 1
+    assert not summary.fences_increasing
+    assert summary.never_ran == 1
+    assert table_value(summary.table(), "fences increasing") == "no"

@@ -1,0 +1,80 @@
+"""Celery events from a real worker started with -E: task-skipped carries what Flower shows."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_lock import SKIPPED
+from celery_lock.testing import CeleryWorker
+
+pytestmark = pytest.mark.worker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class EventTap:
+    """Captures events of the given types in a background thread until stopped."""
+
+    def __init__(self, app: Celery, *types: str) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._connection = app.connection_for_read()
+        self._receiver = app.events.Receiver(
+            self._connection, handlers={t: self.events.append for t in types}
+        )
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        # itercapture yields once its queue is bound, then drains until should_stop.
+        for _ in self._receiver.itercapture(limit=None, timeout=None, wakeup=False):
+            self._ready.set()
+
+    def __enter__(self) -> EventTap:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._receiver.should_stop = True
+        self._thread.join(10)
+        self._connection.close()
+
+
+@pytest.fixture
+def events_worker(worker_env: dict[str, str], tmp_path: Path) -> Iterator[CeleryWorker]:
+    worker = CeleryWorker("tests.apps.storm_app", concurrency=2, cwd=ROOT, env=worker_env,
+                          extra_args=["-E", "--without-mingle", "--without-gossip"],
+                          logfile=tmp_path / "worker.log")  # fmt: skip
+    worker.start()
+    yield worker
+    worker.stop()
+
+
+def test_skipped_copy_sends_task_skipped_event(
+    make_producer: Callable[..., Celery], events_worker: CeleryWorker, worker_env: dict[str, str]
+) -> None:
+    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
+    with EventTap(app, "task-skipped") as tap:
+        first = app.send_task("storm.process", args=(3,))
+        first.get(timeout=30)
+        copy = app.send_task("storm.process", args=(3,))
+        deadline = time.monotonic() + 30
+        while copy.state != SKIPPED or not tap.events:
+            assert time.monotonic() < deadline, "no task-skipped event"
+            time.sleep(0.05)
+    [event] = tap.events
+    assert event["uuid"] == copy.id
+    assert event["name"] == "storm.process"
+    assert event["reason"] == "done"
+    assert event["holder"] == first.id
+    assert event["lock_key"] == "celery-lock:{storm.process:3}:lock"
+    assert "skipped" in event["result"]
+    assert "args" not in event
+    assert "kwargs" not in event

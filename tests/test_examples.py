@@ -1,0 +1,119 @@
+"""The examples run as documented: ``examples/basic.py`` and the pipeline's ``run.py --smoke``.
+
+Each runs as a subprocess with a bounded timeout and starts its own redis-server and workers;
+no service of the machine is used (``REDIS_URL`` and ``PIPELINE_*`` are removed from the
+environment). verify is also shown to fail on a record with a doubled stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from celery_lock.testing import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("pending", "process", "callback")
+RECORD_DB = 6  # a database of the session's redis-server no other test uses
+
+
+def run(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` in the repository, away from any Redis or broker of the machine."""
+    base = {
+        k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("PIPELINE_")
+    }
+    done = subprocess.run(
+        args, cwd=ROOT, env={**base, "PYTHONUNBUFFERED": "1", **env},
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    print(done.stdout)  # shown by pytest when the test fails
+    print(done.stderr, file=sys.stderr)
+    return done
+
+
+@pytest.mark.worker
+def test_basic_example_runs_the_request_once() -> None:
+    done = run([sys.executable, "examples/basic.py"], timeout=180)
+    assert done.returncode == 0
+    out = done.stdout
+    assert "private redis-server on port" in out
+    assert "worker ready: celery -A basic worker -P prefork -c 2" in out
+    assert len(re.findall(r"^  copy \d: SUCCESS: ran the body with fence 1$", out, re.M)) == 1
+    assert len(re.findall(r"^  copy \d: SKIPPED, reason '(running|done)'", out, re.M)) == 2
+    assert "request 42: state 'processed', fence 1, body ran 1 time(s)" in out
+    assert "OK: request 42 ran once; the other 2 copies were SKIPPED" in out
+
+
+@pytest.mark.worker
+def test_pipeline_smoke_run_proves_no_stage_ran_twice() -> None:
+    done = run([sys.executable, "examples/pipeline/run.py", "--smoke"], timeout=280)
+    assert done.returncode == 0
+    out = done.stdout
+    assert "run: workers ready: pending (pid" in out
+    assert re.search(r"^producer: sent 24 copies to pending \(3 per request\)", out, re.M)
+    assert re.search(r"^producer: sent [1-9]\d* duplicates straight to process", out, re.M)
+    for stage in STAGES:
+        assert re.search(rf"^{stage}\s+ran\s+8 \(doubled 0\)", out, re.M), stage
+    for check in ("each stage ran exactly once per request",
+                  "no two executions of one request overlapped in time (across stages)",
+                  "fences strictly increasing per request, in start order",
+                  "stages ran in order pending -> process -> callback"):  # fmt: skip
+        assert f"[ok] {check}" in out
+    assert "verify: OK: 8 requests x 3 stages = 24 executions" in out
+    assert "lock ls: no leases held" in out
+    assert "exit status 0" in out
+
+
+def test_pipeline_run_module_form_answers_help() -> None:
+    done = run([sys.executable, "-m", "examples.pipeline.run", "--help"], timeout=60)
+    assert done.returncode == 0
+    assert "--smoke" in done.stdout
+
+
+def execution(stage: str, idx: int, fence: int, start: float, end: float) -> str:
+    task_id = f"{stage}-{idx}-{start}"
+    return json.dumps({"stage": stage, "request_idx": idx, "task_id": task_id, "fence": fence,
+                       "host": "h", "pid": 1, "start": start, "end": end})  # fmt: skip
+
+
+def test_verify_fails_on_a_doubled_stage_an_overlap_and_a_stale_fence(
+    redis_server: RedisServer,
+) -> None:
+    """verify is not vacuous: a record with a double, an overlap and a stale fence fails."""
+    records = redis_server.client(RECORD_DB)
+    records.flushdb()
+    records.set("pipeline:run:r1", json.dumps({"run_id": "r1", "first": 10, "count": 2}))
+    records.set("pipeline:last-run", "r1")
+    records.rpush(
+        "pipeline:executions",
+        # request 10: clean
+        execution("pending", 10, 1, 0.0, 1.0),
+        execution("process", 10, 2, 1.0, 2.0),
+        execution("callback", 10, 3, 2.5, 3.0),
+        # request 11: process twice, overlapping pending, with a fence that went back
+        execution("pending", 11, 2, 0.0, 1.0),
+        execution("process", 11, 1, 0.5, 1.5),
+        execution("process", 11, 3, 2.0, 2.5),
+        execution("callback", 11, 4, 3.0, 3.5),
+    )
+    records.close()
+    done = run(
+        [sys.executable, "examples/pipeline/verify.py"], timeout=60,
+        PIPELINE_RECORD_URL=redis_server.url_for(RECORD_DB),
+    )  # fmt: skip
+    assert done.returncode == 1
+    out = done.stdout
+    assert re.search(r"^process\s+ran\s+3 \(doubled 1\)", out, re.M)
+    assert "[FAIL] each stage ran exactly once per request" in out
+    assert "request 11: process ran 2 times" in out
+    assert "[FAIL] no two executions of one request overlapped in time" in out
+    assert "[FAIL] fences strictly increasing per request, in start order" in out
+    assert "request 11: fence 1 of process after fence 2 of pending" in out
+    assert "request 10" not in out
+    assert "verify: FAILED: 3 check(s) failed" in out

@@ -1,0 +1,384 @@
+"""Faults that make the broker deliver a message again, through real prefork workers.
+
+A pool process SIGKILLed mid-task (as the OOM killer would), a whole worker SIGKILLed, the Redis
+broker's visibility timeout handing out a message that is still running, and ETA/countdown copies:
+in every case the request runs to completion exactly once and no two runs overlap.
+
+Each test starts real ``celery worker -P prefork`` subprocesses on ``tests/apps/fault_app.py``
+against the session's redis-server. Bodies record a ``started`` entry with their pool pid (the
+pid to kill) and, if they finish, their monotonic interval and fence; celery-lock's deferrals and
+skips are recorded too. Leases are short (2 s; 7 s where a pool process is killed, see
+``KILLED_POOL_TTL``), so a dead holder's lease lapses within the test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+from celery.states import READY_STATES
+
+from celery_lock import SKIPPED, follow
+from celery_lock.testing import CeleryWorker
+
+pytestmark = pytest.mark.worker
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK = "fault.work"
+#: Lease TTL and heartbeat interval where a pool process is killed. The prefork pool notices a
+#: dead process at once or, when it loses the race with the exit, at its 5 s pool check; a lease
+#: that outlives that check makes the returned message meet the dead lease every time.
+KILLED_POOL_TTL = 7.0
+KILLED_POOL_HEARTBEAT = 1.0
+#: The broker's visibility timeout where a test lets it expire (seconds).
+VISIBILITY_TIMEOUT = 1.5
+TIMEOUT = 20.0
+KILLED_POOL_ENV = {
+    "FAULT_LOCK_TTL": str(KILLED_POOL_TTL),
+    "FAULT_HEARTBEAT_INTERVAL": str(KILLED_POOL_HEARTBEAT),
+}
+
+
+@pytest.fixture
+def fault_env(worker_env: dict[str, str]) -> dict[str, str]:
+    """Environment for fault_app workers on the emptied databases of ``worker_env``."""
+    return {
+        "FAULT_BROKER_URL": worker_env["STORM_BROKER_URL"],
+        "FAULT_BACKEND_URL": worker_env["STORM_BACKEND_URL"],
+        "FAULT_LOCK_URL": worker_env["STORM_LOCK_URL"],
+        "FAULT_RECORD_URL": worker_env["STORM_RECORD_URL"],
+        "PYTHONPATH": worker_env["PYTHONPATH"],
+    }
+
+
+@pytest.fixture
+def start_worker(
+    fault_env: dict[str, str], tmp_path: Path
+) -> Iterator[Callable[..., CeleryWorker]]:
+    """Start fault_app workers; each is SIGKILLed by process group at the end of the test."""
+    workers: list[CeleryWorker] = []
+
+    def start(**env: str) -> CeleryWorker:
+        worker = CeleryWorker(
+            "tests.apps.fault_app",
+            concurrency=2,
+            extra_args=["--without-mingle", "--without-gossip"],
+            env={**fault_env, **env},
+            cwd=ROOT,
+            logfile=tmp_path / f"worker-{len(workers)}.log",
+        )
+        workers.append(worker)
+        worker.start()
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.kill()  # nothing to wait for: the next test empties the databases
+
+
+@pytest.fixture
+def producer(fault_env: dict[str, str]) -> Iterator[Celery]:
+    app = Celery(
+        "fault-producer",
+        broker=fault_env["FAULT_BROKER_URL"],
+        backend=fault_env["FAULT_BACKEND_URL"],
+        set_as_current=False,
+    )
+    yield app
+    # Celery's close() leaves connections open; left to the garbage collector they would warn.
+    app.backend.result_consumer.stop()  # the pub/sub connection AsyncResult.get() opens
+    app.backend.client.connection_pool.disconnect()
+    app.close()  # the broker's connection pool is kombu's, shared process-wide: left open
+
+
+@pytest.fixture
+def broker(fault_env: dict[str, str]) -> Iterator[redis.Redis]:
+    """A client on the broker's database, to see what it still holds."""
+    client = redis.Redis.from_url(fault_env["FAULT_BROKER_URL"])
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def record(fault_env: dict[str, str]) -> Iterator[Record]:
+    client = redis.Redis.from_url(fault_env["FAULT_RECORD_URL"])
+    yield Record(client)
+    client.close()
+
+
+class Record:
+    """What fault_app's bodies and signal receivers wrote (see its module docstring)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+
+    def _entries(self, key: str) -> list[dict[str, Any]]:
+        return [json.loads(raw) for raw in self.client.lrange(key, 0, -1)]
+
+    def started(self) -> list[dict[str, Any]]:
+        return self._entries("fault:started")
+
+    def runs(self) -> list[dict[str, Any]]:
+        return self._entries("fault:runs")
+
+    def deferred(self) -> list[dict[str, Any]]:
+        return self._entries("fault:deferred")
+
+    def skipped(self) -> list[dict[str, Any]]:
+        return self._entries("fault:skipped")
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def wait_started(record: Record, count: int = 1) -> dict[str, Any]:
+    """The ``count``-th started entry, once a body has written it."""
+
+    def nth() -> dict[str, Any] | None:
+        started = record.started()
+        return started[count - 1] if len(started) >= count else None
+
+    return dict(wait_for(nth, f"body start #{count}"))
+
+
+def wait_state(result: AsyncResult[Any], state: str, timeout: float = TIMEOUT) -> set[str]:
+    """Wait until ``result`` is in ``state``; return every state seen on the way.
+
+    Fails at once on another ready state (``AsyncResult`` would keep returning it anyway).
+    """
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while (current := result.state) != state:
+        seen.add(current)
+        if current in READY_STATES:
+            pytest.fail(f"task {result.id} ended {current} ({result.info!r}), not {state}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"task {result.id} not {state} after {timeout}s (seen {sorted(seen)})")
+        time.sleep(0.05)
+    return seen | {state}
+
+
+def broker_idle(client: redis.Redis) -> bool:
+    """No message queued and none delivered but unacked (deferred ETA copies included)."""
+    return not client.llen("celery") and not client.hlen("unacked")
+
+
+def force_visibility_timeout(app: Celery, visibility_timeout: float) -> None:
+    """Sweep the Redis broker for unacked messages older than ``visibility_timeout``, as any
+    kombu client does (a worker at startup and periodically): each goes back on its queue."""
+    with app.connection_for_write(
+        transport_options={"visibility_timeout": visibility_timeout}
+    ) as conn:
+        conn.default_channel.qos.restore_visible(num=100, interval=1)
+
+
+def wait_redelivered_copy_deferred(record: Record, task_id: str) -> None:
+    """Wait until the forced redelivery of the one running body is handled; check it was
+    deferred (not run alongside, not skipped)."""
+    wait_for(
+        lambda: record.deferred() or record.skipped() or len(record.started()) > 1,
+        "the redelivered copy to arrive",
+    )
+    assert len(record.started()) == 1, "the redelivered copy ran alongside the original"
+    assert record.skipped() == [], "the redelivered copy was skipped"
+    deferral = record.deferred()[0]
+    assert (deferral["task_id"], deferral["reason"]) == (task_id, "redelivered")
+
+
+def assert_no_overlap(runs: list[dict[str, Any]]) -> None:
+    ordered = sorted(runs, key=lambda run: run["start"])
+    for earlier, later in itertools.pairwise(ordered):
+        assert later["start"] >= earlier["end"], f"runs overlap: {earlier} and {later}"
+        assert later["fence"] > earlier["fence"], f"fence did not increase: {earlier}, {later}"
+
+
+# -- 1. a pool process SIGKILLed mid-task ---------------------------------------------------------
+
+
+def test_killed_pool_process_message_reruns_once_with_next_fence_after_lease_lapses(
+    start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
+) -> None:
+    start_worker(**KILLED_POOL_ENV)
+    result = producer.send_task(TASK, args=(1, 1.0))
+    first = wait_started(record)
+    os.kill(first["pid"], signal.SIGKILL)  # as the OOM killer would
+    killed_at = time.monotonic()
+
+    assert wait_state(result, "SUCCESS") <= {"PENDING", "STARTED", "SUCCESS"}
+    assert result.result == 1
+    rerun = wait_started(record, 2)
+    assert (first["fence"], rerun["fence"]) == (1, 2)
+    assert rerun["task_id"] == result.id
+    assert rerun["pid"] != first["pid"]
+    # The message came back while the dead lease lived, so it was deferred (never dropped, and
+    # without counting against max_retries=0) until the lease lapsed: at most one heartbeat
+    # interval before the kill it had been extended to a full TTL.
+    assert {entry["reason"] for entry in record.deferred()} == {"redelivered"}
+    waited = rerun["at"] - killed_at
+    assert KILLED_POOL_TTL - KILLED_POOL_HEARTBEAT - 0.1 <= waited <= KILLED_POOL_TTL + 3.0
+    runs = record.runs()
+    assert [(run["task_id"], run["fence"]) for run in runs] == [(result.id, 2)]
+
+
+def test_copy_sent_while_pool_process_is_dead_does_not_run_alongside_the_rerun(
+    start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
+) -> None:
+    start_worker(**KILLED_POOL_ENV)
+    result = producer.send_task(TASK, args=(1, 1.0))
+    first = wait_started(record)
+    os.kill(first["pid"], signal.SIGKILL)
+    copy = producer.send_task(TASK, args=(1, 1.0))  # e.g. a producer's retry: another task id
+
+    assert follow(copy, timeout=TIMEOUT) == 1
+    wait_state(result, "SUCCESS")
+    assert copy.state == SKIPPED
+    assert copy.info["holder"] == result.id
+    assert [entry["task_id"] for entry in record.started()] == [result.id, result.id]
+    runs = record.runs()
+    assert [(run["task_id"], run["fence"]) for run in runs] == [(result.id, 2)]
+    assert_no_overlap(runs)
+
+
+# -- 2. the whole worker SIGKILLed ----------------------------------------------------------------
+
+
+def test_killed_worker_message_is_restored_by_a_new_worker_at_startup_and_runs_once(
+    start_worker: Callable[..., CeleryWorker],
+    producer: Celery,
+    record: Record,
+) -> None:
+    env = {"FAULT_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT)}
+    first_worker = start_worker(**env)
+    result = producer.send_task(TASK, args=(1, 2.0))
+    first = wait_started(record)
+    first_worker.kill()
+    killed_at = time.monotonic()
+    # The message stays in the broker's unacked set until some client sweeps it back.
+    time.sleep(VISIBILITY_TIMEOUT + 0.2)
+    start_worker(**env)  # its own periodic sweep is 10 s away: only the startup sweep counts
+
+    wait_state(result, "SUCCESS")
+    rerun = wait_started(record, 2)
+    assert (first["fence"], rerun["fence"]) == (1, 2)
+    assert VISIBILITY_TIMEOUT <= rerun["at"] - killed_at < 8.0
+    assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(result.id, 2)]
+
+
+def test_killed_worker_message_is_restored_by_a_running_worker_sweep_and_runs_once(
+    start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
+) -> None:
+    env = {"FAULT_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT), "FAULT_RESTORE_INTERVAL": "0.5"}
+    first_worker = start_worker(**env)
+    second_worker = start_worker(**env)
+    assert second_worker.pid != first_worker.pid
+    result = producer.send_task(TASK, args=(1, 1.0))
+    first = wait_started(record)
+    owner = first_worker if first["pid"] in first_worker.child_pids() else second_worker
+    survivor = second_worker if owner is first_worker else first_worker
+    owner.kill()
+    killed_at = time.monotonic()
+
+    wait_state(result, "SUCCESS")
+    rerun = wait_started(record, 2)
+    assert rerun["pid"] in survivor.child_pids()
+    assert (first["fence"], rerun["fence"]) == (1, 2)
+    assert rerun["at"] - killed_at >= VISIBILITY_TIMEOUT - 0.5
+    assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(result.id, 2)]
+
+
+# -- 3. the broker redelivers a running message; ETA and countdown copies -------------------------
+
+
+def test_redelivered_running_message_is_deferred_never_run_alongside(
+    start_worker: Callable[..., CeleryWorker],
+    producer: Celery,
+    record: Record,
+    broker: redis.Redis,
+) -> None:
+    # The worker's own sweep is a minute away: the test decides when the timeout strikes.
+    start_worker(FAULT_VISIBILITY_TIMEOUT=str(VISIBILITY_TIMEOUT), FAULT_RESTORE_INTERVAL="60")
+    result = producer.send_task(TASK, args=(1, 3.0))
+    first = wait_started(record)
+    time.sleep(VISIBILITY_TIMEOUT - (time.monotonic() - first["at"]) + 0.2)
+    force_visibility_timeout(producer, VISIBILITY_TIMEOUT)
+
+    wait_redelivered_copy_deferred(record, result.id)
+    # Neither RETRY nor SKIPPED ever shows: the running original's state is left alone.
+    assert wait_state(result, "SUCCESS") <= {"PENDING", "STARTED", "SUCCESS"}
+    wait_for(lambda: broker_idle(broker), "the deferred copies to be acked")
+    # The last deferred copy found the request done by its own task id: acked, SUCCESS kept.
+    assert AsyncResult(result.id, app=producer).state == "SUCCESS"
+    assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(result.id, 1)]
+    assert len(record.started()) == 1
+    assert record.skipped() == []
+
+
+def test_deferred_redelivery_survives_when_the_running_original_is_killed(
+    start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
+) -> None:
+    start_worker(FAULT_VISIBILITY_TIMEOUT=str(VISIBILITY_TIMEOUT), FAULT_RESTORE_INTERVAL="60")
+    result = producer.send_task(TASK, args=(1, 2.0))
+    first = wait_started(record)
+    time.sleep(VISIBILITY_TIMEOUT - (time.monotonic() - first["at"]) + 0.2)
+    force_visibility_timeout(producer, VISIBILITY_TIMEOUT)
+    wait_redelivered_copy_deferred(record, result.id)
+    # Acking the redelivered copy acked the original's delivery tag too: from here on the
+    # deferred copy is the only one the broker has.
+    os.kill(first["pid"], signal.SIGKILL)
+
+    wait_state(result, "SUCCESS")
+    assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(result.id, 2)]
+
+
+def test_countdown_message_and_its_same_id_duplicate_run_once(
+    start_worker: Callable[..., CeleryWorker],
+    producer: Celery,
+    record: Record,
+    broker: redis.Redis,
+) -> None:
+    start_worker()
+    task_id = str(uuid.uuid4())
+    for _ in range(2):  # a producer that retried a publish whose confirmation it lost
+        producer.send_task(TASK, args=(2, 1.0), countdown=1.0, task_id=task_id)
+    result = AsyncResult(task_id, app=producer)
+
+    assert wait_state(result, "SUCCESS") <= {"PENDING", "STARTED", "SUCCESS"}
+    wait_for(lambda: broker_idle(broker), "the duplicate to be acked")
+    assert AsyncResult(task_id, app=producer).state == "SUCCESS"
+    assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(task_id, 1)]
+    assert record.skipped() == []
+
+
+def test_eta_duplicate_with_another_task_id_runs_once(
+    start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
+) -> None:
+    start_worker()
+    eta = datetime.now(timezone.utc) + timedelta(seconds=1)
+    copies = [producer.send_task(TASK, args=(3, 1.0), eta=eta) for _ in range(2)]
+
+    assert [follow(copy, timeout=TIMEOUT) for copy in copies] == [3, 3]
+    states = sorted(copy.state for copy in copies)
+    assert states == [SKIPPED, "SUCCESS"]
+    runs = record.runs()
+    assert len(runs) == 1
+    skipped = next(copy for copy in copies if copy.state == SKIPPED)
+    assert skipped.info["holder"] == runs[0]["task_id"]

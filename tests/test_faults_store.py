@@ -1,0 +1,869 @@
+"""When the lock store fails: down, restarted, answering ambiguously, or holding garbage.
+
+Every test runs against real ``redis-server`` processes. The lock store is always a server of
+its own (``lock_server``), so a test can stop, restart or pause it without touching the broker.
+
+- Down when a task arrives: transient errors are retried (bounded, jittered), then the task
+  fails closed: deferred, never run unlocked, and run exactly once after the store returns
+  (real ``celery worker -P prefork`` on ``tests/apps/store_app.py``); ``fail_open`` runs the
+  body unlocked with a warning per run.
+- Down mid-run: the heartbeat cannot extend; after a whole TTL unconfirmed the lease is lost
+  (signal, ``request.lock_lost``); the release fails and is logged; the task still succeeds.
+- Ambiguous replies: a reply lost after the write (a TCP proxy that runs the command but drops
+  its reply) for acquire and release; ``NOSCRIPT`` after a real restart for acquire, release and
+  the heartbeat's pipeline; a restart noticed by the server's ``run_id``.
+- Garbage under our keys: a typed :class:`LockStateError` naming the key; the task fails.
+- Tokens: distinct across forked processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import TestWorkController
+from celery.result import AsyncResult
+
+from celery_lock import (
+    SKIPPED,
+    LockedTask,
+    LockStateError,
+    LockStoreError,
+    LockStoreUnavailableError,
+    signals,
+)
+from celery_lock.heartbeat import Heartbeat
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.runtime import reset_runtime
+from celery_lock.scripts import RELEASE
+from celery_lock.store import LockStore
+from celery_lock.testing import CeleryWorker, RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 20.0
+HOLDER = Holder(task_id="task-1", task_name="shop.process", host="host-a", pid=101)
+KEYS = RequestKeys.build("celery-lock", "shop.process", "42", "shop.process")
+TTL_MS = 5_000
+FENCE_TTL_MS = 60_000
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = TIMEOUT, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not in {timeout}s: {what or predicate}"
+        time.sleep(0.02)
+
+
+def command_calls(client: redis.Redis) -> Counter[str]:
+    """Calls per command so far (``INFO commandstats``), counted by the server."""
+    stats = client.info("commandstats")
+    return Counter({name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()})
+
+
+def acquire(store: LockStore, token: str, keys: RequestKeys = KEYS, holder: Holder = HOLDER):
+    return store.acquire(keys, token, TTL_MS, holder, FENCE_TTL_MS)
+
+
+class Records(logging.Handler):
+    """Collects celery-lock's log records (also from worker threads)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, level: int = logging.DEBUG, contains: str = "") -> list[str]:
+        return [
+            r.getMessage()
+            for r in list(self.records)
+            if r.levelno >= level and contains in r.getMessage()
+        ]
+
+
+@pytest.fixture
+def logs() -> Iterator[Records]:
+    """celery-lock's log records at INFO and above, straight from its logger.
+
+    Not ``caplog``: an in-process worker sets up Celery's logging, which may drop the root
+    logger's handlers.
+    """
+    handler = Records()
+    logger = logging.getLogger("celery_lock")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.fixture
+def lock_server() -> Iterator[RedisServer]:
+    """A lock store of this test alone: stopping it touches nothing else."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def admin(lock_server: RedisServer) -> Iterator[redis.Redis]:
+    """A plain client on the lock store, for setting up and inspecting keys."""
+    client = lock_server.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def store(lock_server: RedisServer) -> Iterator[LockStore]:
+    store = LockStore.from_url(lock_server.url)
+    yield store
+    store.client.close()
+
+
+class ReplyDropper:
+    """A TCP proxy in front of a redis-server that loses chosen replies.
+
+    ``drop_reply_to(marker)`` arms it: the next command whose bytes contain ``marker`` reaches
+    the server and runs there, but the proxy closes the client's connection instead of passing
+    the reply on, as a network cut between the write and its reply would.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.port = self.listener.getsockname()[1]
+        self.dropped = 0
+        self._armed: list[bytes] = []
+        self._guard = threading.Lock()
+        self._stopping = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._spawn(self._accept)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def drop_reply_to(self, marker: bytes) -> None:
+        with self._guard:
+            self._armed.append(marker)
+
+    def close(self) -> None:
+        self._stopping.set()
+        with self._guard:
+            sockets = [self.listener, *self._sockets]
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for thread in self._threads:
+            thread.join(5)
+            assert not thread.is_alive(), "proxy thread did not end"
+
+    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            upstream.settimeout(None)
+            with self._guard:
+                self._sockets += [client, upstream]
+            state = {"drop": False}
+            self._spawn(self._to_server, client, upstream, state)
+            self._spawn(self._to_client, client, upstream, state)
+
+    def _to_server(self, client: socket.socket, upstream: socket.socket, state: dict) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                with self._guard:
+                    for marker in self._armed:
+                        if marker in data:
+                            self._armed.remove(marker)
+                            state["drop"] = True  # set before the command can be answered
+                            break
+                upstream.sendall(data)
+        self._cut(client, upstream)
+
+    def _to_client(self, client: socket.socket, upstream: socket.socket, state: dict) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                if state["drop"]:
+                    with self._guard:
+                        self.dropped += 1
+                    break  # the command ran; its reply is lost with the connection
+                client.sendall(data)
+        self._cut(client, upstream)
+
+    @staticmethod
+    def _cut(client: socket.socket, upstream: socket.socket) -> None:
+        for sock in (client, upstream):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture
+def proxy(lock_server: RedisServer) -> Iterator[ReplyDropper]:
+    dropper = ReplyDropper(lock_server.port)
+    yield dropper
+    dropper.close()
+
+
+# -- in-process worker (celery.contrib.pytest) on this test's lock store ---------------------
+
+
+@pytest.fixture
+def lock_url(request: pytest.FixtureRequest, lock_server: RedisServer) -> str:
+    """The in-process app's lock store URL: through the proxy when the test uses one."""
+    if "proxy" in request.fixturenames:
+        return str(request.getfixturevalue("proxy").url)
+    return lock_server.url
+
+
+@pytest.fixture
+def celery_config(lock_url: str) -> dict[str, Any]:
+    return {
+        "broker_url": "memory://",
+        "broker_transport_options": {"polling_interval": 0.05},
+        "result_backend": "cache+memory://",
+        "celery_lock_redis_url": lock_url,
+        "celery_lock_ttl": 5,
+        "broker_connection_retry_on_startup": False,
+    }
+
+
+class Bodies:
+    """What the task bodies saw, shared between the worker thread and the test."""
+
+    def __init__(self) -> None:
+        self.runs: list[dict[str, Any]] = []
+        self.started = threading.Event()
+        self.proceed = threading.Event()
+        self.in_body: Callable[[], None] = lambda: None
+
+
+@pytest.fixture
+def bodies() -> Bodies:
+    return Bodies()
+
+
+@pytest.fixture
+def tasks(celery_app: Celery, bodies: Bodies) -> dict[str, Any]:
+    def seen(task: Any, **extra: Any) -> None:
+        request = task.request
+        bodies.runs.append(
+            {"id": request.id, "fence": request.lock_fence, "lost": request.lock_lost, **extra}
+        )
+
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="fs.work")
+    def work(self: Any, request_idx: int) -> int:
+        bodies.in_body()
+        seen(self, request_idx=request_idx)
+        return request_idx
+
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="request_idx", name="fs.slow", lock_ttl=1.2
+    )
+    def slow(self: Any, request_idx: int) -> bool:
+        bodies.started.set()
+        assert bodies.proceed.wait(TIMEOUT)
+        seen(self, request_idx=request_idx)
+        return bool(self.request.lock_lost)
+
+    return {"work": work, "slow": slow}
+
+
+@pytest.fixture
+def worker(tasks: dict[str, Any], celery_worker: TestWorkController) -> TestWorkController:
+    return celery_worker
+
+
+@pytest.fixture(autouse=True)
+def close_lock_runtime(celery_app: Celery) -> Iterator[None]:
+    yield
+    reset_runtime(celery_app)
+
+
+@pytest.fixture
+def deferred() -> Iterator[list[dict[str, Any]]]:
+    """Every ``lock_deferred`` signal sent during the test."""
+    sent: list[dict[str, Any]] = []
+
+    def on_deferred(sender: Any, **kwargs: Any) -> None:
+        sent.append({**kwargs, "at": time.monotonic()})
+
+    signals.lock_deferred.connect(on_deferred, weak=False)
+    yield sent
+    signals.lock_deferred.disconnect(on_deferred)
+
+
+# -- 1. the lock store is down when a task arrives --------------------------------------------
+
+
+def test_store_down_fails_closed_after_bounded_jittered_retries(
+    lock_server: RedisServer, store: LockStore, logs: Records
+) -> None:
+    """Three tries (two jittered waits) within the deadline, then LockStoreUnavailableError."""
+    acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "warm", "s"))
+    lock_server.stop()
+    started = time.monotonic()
+    with pytest.raises(LockStoreUnavailableError, match="acquire failed"):
+        acquire(store, new_token())
+    elapsed = time.monotonic() - started
+    retries = logs.messages(logging.INFO, "trying again in")
+    assert len(retries) == 2, retries  # tries 1 and 2 failed and were retried; try 3 gave up
+    assert elapsed < 2.5  # bounded: no try starts after the 2 s deadline
+
+
+def test_busy_reply_is_transient_not_state(lock_server: RedisServer, store: LockStore) -> None:
+    """BUSY (a long script elsewhere) is retried and then reported unavailable, not garbage."""
+    admin = lock_server.client()
+    admin.config_set("lua-time-limit", 50)
+    busy_loop = (
+        "local t = redis.call('TIME') local stop = t[1] + 3 "
+        "while tonumber(redis.call('TIME')[1]) < stop do end return 1"
+    )
+    acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "warm", "s"))
+    runner = threading.Thread(target=lambda: admin.eval(busy_loop, 0), daemon=True)
+    runner.start()
+    time.sleep(0.2)
+    with pytest.raises(LockStoreUnavailableError, match="BUSY"):
+        acquire(store, new_token())
+    runner.join(TIMEOUT)
+    admin.close()
+    assert acquire(store, new_token()) == Acquired(fence=1)  # served again once it is over
+
+
+@pytest.fixture
+def store_env(redis_server: RedisServer, lock_server: RedisServer) -> dict[str, str]:
+    """store_app environment: broker, backend and record on the session server (emptied),
+    the lock store on this test's own server."""
+    for db in (0, 1, 3):
+        redis_server.client(db).flushdb()
+    return {
+        "STORE_BROKER_URL": redis_server.url_for(0),
+        "STORE_BACKEND_URL": redis_server.url_for(1),
+        "STORE_RECORD_URL": redis_server.url_for(3),
+        "STORE_LOCK_URL": lock_server.url,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]),
+    }
+
+
+@pytest.fixture
+def store_worker(store_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    workers: list[CeleryWorker] = []
+
+    def start(**env: str) -> CeleryWorker:
+        worker = CeleryWorker(
+            "tests.apps.store_app",
+            concurrency=2,
+            extra_args=["--without-mingle", "--without-gossip"],
+            env={**store_env, **env},
+            cwd=ROOT,
+            logfile=tmp_path / f"worker-{len(workers)}.log",
+        )
+        workers.append(worker)
+        worker.start()
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop()
+
+
+def producer(env: dict[str, str]) -> Celery:
+    return Celery(
+        "store-producer",
+        broker=env["STORE_BROKER_URL"],
+        backend=env["STORE_BACKEND_URL"],
+        set_as_current=False,
+    )
+
+
+def recorded(env: dict[str, str], key: str) -> list[dict[str, Any]]:
+    client = redis.Redis.from_url(env["STORE_RECORD_URL"])
+    try:
+        return [json.loads(raw) for raw in client.lrange(key, 0, -1)]
+    finally:
+        client.close()
+
+
+def settle(results: list[AsyncResult[Any]], timeout: float = 30.0) -> Counter[str]:
+    deadline = time.monotonic() + timeout
+    pending = list(results)
+    while pending:
+        pending = [r for r in pending if r.state not in ("SUCCESS", SKIPPED, "FAILURE")]
+        assert time.monotonic() < deadline, f"{len(pending)} copies unsettled"
+        time.sleep(0.1)
+    return Counter(result.state for result in results)
+
+
+@pytest.mark.worker
+def test_store_down_defers_in_prefork_worker_then_each_request_runs_once(
+    lock_server: RedisServer, store_worker: Any, store_env: dict[str, str]
+) -> None:
+    """Lock store stopped: nothing runs, every copy is deferred; started again on the same
+    port: each request runs exactly once, its duplicate is skipped."""
+    worker = store_worker()
+    app = producer(store_env)
+    assert app.send_task("store.work", args=(-1,)).get(timeout=TIMEOUT) == -1
+
+    lock_server.stop()
+    down = time.monotonic()
+    requests = range(4)
+    copies = [app.send_task("store.work", args=(idx,)) for idx in requests for _ in range(2)]
+    ids = {copy.id for copy in copies}
+
+    def deferred_twice() -> bool:
+        counts = Counter(d["task_id"] for d in recorded(store_env, "store:deferred"))
+        return all(counts[task_id] >= 2 for task_id in ids)
+
+    wait_for(deferred_twice, what="every copy deferred twice")
+    assert [run["request_idx"] for run in recorded(store_env, "store:runs")] == [-1]
+    assert {d["reason"] for d in recorded(store_env, "store:deferred")} == {"store-unavailable"}
+    assert {copy.state for copy in copies} <= {"PENDING", "RETRY"}
+
+    lock_server.start()  # same port, empty: the lease state of the outage never existed
+    back = time.monotonic()
+    assert settle(copies) == Counter({"SUCCESS": 4, SKIPPED: 4})
+    runs = [run for run in recorded(store_env, "store:runs") if run["request_idx"] >= 0]
+    assert sorted(run["request_idx"] for run in runs) == list(requests)
+    assert all(run["fence"] == 1 and run["deferrals"] >= 2 for run in runs)
+    log = worker.log()
+    assert "deferring task" in log
+    assert "(fail closed)" in log
+    assert "unlocked (fail_open)" not in log
+
+    delays = sorted(round(run["start"] - back, 2) for run in runs)
+    deferrals = sorted(run["deferrals"] for run in runs)
+    countdowns = sorted(round(d["countdown"], 1) for d in recorded(store_env, "store:deferred"))
+    tries = log.count("trying again in")
+    print(f"\nstore down {back - down:.1f}s; runs {delays}s after it was back; deferrals per "
+          f"run {deferrals}; countdowns {countdowns}; tenacity retries {tries}")  # fmt: skip
+
+
+def test_fail_open_runs_unlocked_with_a_warning_per_run(
+    celery_app: Celery,
+    lock_server: RedisServer,
+    worker: Any,
+    tasks: dict[str, Any],
+    bodies: Bodies,
+    logs: Records,
+    deferred: list[dict[str, Any]],
+) -> None:
+    celery_app.conf.celery_lock_fail_open = True
+    lock_server.stop()
+    assert [tasks["work"].delay(idx).get(timeout=TIMEOUT) for idx in (1, 1, 2)] == [1, 1, 2]
+    assert [run["fence"] for run in bodies.runs] == [None, None, None]  # no lease: no fence
+    warned = logs.messages(logging.WARNING, "unlocked (fail_open)")
+    assert len(warned) == 3
+    assert deferred == []
+
+
+def test_fail_closed_in_process_defers_with_reason_and_runs_once_when_back(
+    lock_server: RedisServer,
+    worker: Any,
+    tasks: dict[str, Any],
+    bodies: Bodies,
+    deferred: list[dict[str, Any]],
+) -> None:
+    lock_server.stop()
+    result = tasks["work"].delay(7)
+    wait_for(lambda: len(deferred) >= 2, what="two deferrals")
+    assert bodies.runs == []
+    assert result.state == "RETRY"
+    assert {d["reason"] for d in deferred} == {"store-unavailable"}
+    lock_server.start()
+    assert result.get(timeout=TIMEOUT) == 7
+    assert [run["fence"] for run in bodies.runs] == [1]
+    countdowns = [round(d["countdown"], 2) for d in deferred]
+    assert countdowns[1] > countdowns[0]  # backs off: no lease TTL caps the wait
+
+
+# -- 2. the lock store goes down mid-run -----------------------------------------------------
+
+
+def test_store_down_mid_run_loses_lease_after_ttl_and_task_still_succeeds(
+    lock_server: RedisServer,
+    worker: Any,
+    tasks: dict[str, Any],
+    bodies: Bodies,
+    logs: Records,
+) -> None:
+    lost: list[float] = []
+
+    def on_lost(sender: Any, **_: Any) -> None:
+        lost.append(time.monotonic())
+
+    signals.lock_lost.connect(on_lost, weak=False)
+    try:
+        result = tasks["slow"].delay(7)
+        assert bodies.started.wait(TIMEOUT)
+        stopped = time.monotonic()
+        lock_server.stop()
+        wait_for(lambda: bool(lost), what="lock_lost")
+        bodies.proceed.set()
+        assert result.get(timeout=TIMEOUT) is True  # the body saw request.lock_lost
+    finally:
+        signals.lock_lost.disconnect(on_lost)
+    assert result.state == "SUCCESS"
+    # Lost once a whole TTL (1.2 s) passed since the last confirmation, which came at most
+    # one interval (0.4 s) before the stop: not before TTL - interval, nor long after TTL.
+    assert 0.8 - 0.1 <= lost[0] - stopped <= 1.2 + 0.4 + 1.0
+    assert logs.messages(logging.ERROR, "release of")
+    assert logs.messages(logging.WARNING, "heartbeat could not extend")
+    # The process recovers: once the store is back, the next task runs locked.
+    lock_server.start()
+    assert tasks["work"].delay(8).get(timeout=TIMEOUT) == 8
+    assert bodies.runs[-1]["fence"] == 1
+    print(f"\nlease lost {lost[0] - stopped:.2f}s after the store stopped (TTL 1.2 s)")
+
+
+@pytest.mark.worker
+def test_store_down_mid_run_in_prefork_worker_nothing_crashes(
+    lock_server: RedisServer, store_worker: Any, store_env: dict[str, str]
+) -> None:
+    worker = store_worker(STORE_LOCK_TTL="1")
+    app = producer(store_env)
+    children = worker.child_pids()
+    admin = lock_server.client()
+    result = app.send_task("store.work", args=(1,), kwargs={"seconds": 3.0})
+    wait_for(lambda: bool(admin.exists("celery-lock:{store.work:1}:lock")), what="acquired")
+    admin.close()
+    time.sleep(0.5)  # a heartbeat or two confirm the lease
+    lock_server.stop()
+    assert result.get(timeout=TIMEOUT) == 1
+    [run] = recorded(store_env, "store:runs")
+    assert run["lost"] is True
+    assert [entry["task_id"] for entry in recorded(store_env, "store:lost")] == [result.id]
+    log = worker.log()
+    assert "lost while task" in log
+    assert re.search(r"release of celery-lock:\{store\.work:1\}:lock for task \S+ failed", log)
+    assert worker.child_pids() == children  # no pool process died
+    lock_server.start()
+    assert app.send_task("store.work", args=(2,)).get(timeout=TIMEOUT) == 2
+
+
+# -- 3. ambiguous replies ---------------------------------------------------------------------
+
+
+def test_acquire_whose_reply_is_lost_is_granted_on_retry(
+    proxy: ReplyDropper, admin: redis.Redis
+) -> None:
+    """The acquire ran, its reply was lost: the retry with the same token is ACQUIRED."""
+    store = LockStore.from_url(proxy.url)
+    try:
+        acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "warm", "s"))
+        before = command_calls(admin)
+        proxy.drop_reply_to(store.scripts.acquire.sha.encode())
+        token = new_token()
+        assert acquire(store, token) == Acquired(fence=1)
+    finally:
+        store.client.close()
+    assert proxy.dropped == 1
+    assert (command_calls(admin) - before)["evalsha"] == 2  # it ran twice: once unanswered
+    assert admin.hget(KEYS.lock, "token") == token.encode()
+    assert admin.get(KEYS.fence) == b"1"  # one grant, one fence
+
+
+def test_release_whose_reply_is_lost_reports_not_owned(
+    proxy: ReplyDropper, admin: redis.Redis, logs: Records
+) -> None:
+    store = LockStore.from_url(proxy.url)
+    try:
+        stale = Lease(store, KEYS, new_token(), TTL_MS, 1, HOLDER)
+        assert store.release(stale, success=False, done_ttl_ms=1) is False  # loads the script
+        token = new_token()
+        assert acquire(store, token) == Acquired(fence=1)
+        proxy.drop_reply_to(store.scripts.release.sha.encode())
+        lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+        assert store.release(lease, success=True, done_ttl_ms=60_000) is False
+    finally:
+        store.client.close()
+    assert proxy.dropped == 1
+    assert not admin.exists(KEYS.lock)
+    assert admin.get(KEYS.done) == b"task-1"  # the lost try did release, with the marker
+    assert logs.messages(logging.WARNING, "answered 'not owned' on try 2")
+
+
+def test_task_whose_release_reply_is_lost_still_succeeds(
+    proxy: ReplyDropper,
+    worker: Any,
+    tasks: dict[str, Any],
+    bodies: Bodies,
+    logs: Records,
+    admin: redis.Redis,
+) -> None:
+    released: list[dict[str, Any]] = []
+
+    def on_released(sender: Any, **kwargs: Any) -> None:
+        released.append(kwargs)
+
+    signals.lock_released.connect(on_released, weak=False)
+    release_sha = hashlib.sha1(RELEASE.encode()).hexdigest().encode()
+    try:
+        assert tasks["work"].delay(6).get(timeout=TIMEOUT) == 6  # loads the scripts
+        bodies.in_body = lambda: proxy.drop_reply_to(release_sha)
+        result = tasks["work"].delay(7)
+        assert result.get(timeout=TIMEOUT) == 7
+    finally:
+        signals.lock_released.disconnect(on_released)
+    assert result.state == "SUCCESS"
+    assert proxy.dropped == 1
+    assert [r["owned"] for r in released] == [True, False]
+    assert logs.messages(logging.WARNING, "no longer held by task")
+    keys = tasks["work"].request_keys((7,), {})
+    assert admin.get(keys.done) == result.id.encode()
+    assert not admin.exists(keys.lock)
+
+
+def test_acquire_and_release_reload_scripts_after_a_real_restart(
+    lock_server: RedisServer, store: LockStore, admin: redis.Redis
+) -> None:
+    acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "warm", "s"))
+    lock_server.restart()
+    token = new_token()
+    assert acquire(store, token) == Acquired(fence=1)  # NOSCRIPT answered, not an error
+    lock_server.restart()
+    # The request's lock is there again (written by another client) but no script is loaded.
+    other = LockStore.from_url(lock_server.url)
+    assert acquire(other, token) == Acquired(fence=1)
+    other.client.close()
+    assert admin.script_exists(store.scripts.release.sha) == [False]
+    lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+    assert store.release(lease, success=True, done_ttl_ms=60_000) is True
+    assert admin.get(KEYS.done) == b"task-1"
+
+
+def test_heartbeat_pipeline_reloads_its_script_after_a_real_restart(
+    lock_server: RedisServer, store: LockStore, admin: redis.Redis
+) -> None:
+    token = new_token()
+    assert acquire(store, token) == Acquired(fence=1)
+    lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+    assert store.extend_all([lease]) == [True]
+    lock_server.restart()
+    other = LockStore.from_url(lock_server.url)
+    assert acquire(other, token) == Acquired(fence=1)  # loads the acquire script only
+    other.client.close()
+    assert admin.script_exists(store.scripts.extend.sha) == [False]
+    admin.pexpire(KEYS.lock, 500)
+    heartbeat = Heartbeat()
+    heartbeat.add(lease, 60.0)  # its thread waits 60 s: the beat below is the only one
+    try:
+        heartbeat.beat()
+    finally:
+        heartbeat.stop()
+    assert not lease.lost
+    assert admin.pttl(KEYS.lock) > 1_000  # extended by the reloaded script
+
+
+def test_restart_is_detected_by_run_id_with_a_warning(
+    lock_server: RedisServer, store: LockStore, admin: redis.Redis, logs: Records
+) -> None:
+    acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "warm", "s"))
+    first = store.run_id
+    assert first == admin.info("server")["run_id"]
+    # A reconnect to the same server is not a restart.
+    admin.client_kill_filter(_type="normal", skipme=True)
+    acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "again", "s"))
+    assert store.restarts == 0
+    assert logs.messages(logging.WARNING, "restarted") == []
+
+    lock_server.restart()
+    acquire(store, new_token())
+    assert store.restarts == 1
+    assert store.run_id not in (None, first)
+    [warning] = logs.messages(logging.WARNING, "restarted")
+    assert first in warning
+    assert "fences may have gone back" in warning
+
+
+def test_run_id_check_costs_no_round_trip_per_task(store: LockStore, admin: redis.Redis) -> None:
+    acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "warm", "s"))
+    before = command_calls(admin)
+    for idx in range(20):
+        keys = RequestKeys.build("celery-lock", "s", str(idx), "s")
+        acquire(store, new_token(), keys)
+    delta = command_calls(admin) - before
+    assert delta["evalsha"] == 20
+    assert delta["info"] == 1  # ours, above; none from the store
+
+
+# -- 4. values celery-lock did not write ------------------------------------------------------
+
+GARBAGE: dict[str, Callable[[redis.Redis, RequestKeys], Any]] = {
+    "lock-string": lambda r, k: r.set(k.lock, "garbage"),
+    "lock-list": lambda r, k: r.rpush(k.lock, "a", "b"),
+    "lock-hash-no-ttl": lambda r, k: r.hset(k.lock, "owner", "someone"),
+    "fence-abc": lambda r, k: r.set(k.fence, "abc"),
+    "fence-at-max": lambda r, k: r.set(k.fence, str(2**63 - 1)),
+    "done-hash": lambda r, k: r.hset(k.done, "task", "x"),
+}
+EXPECTED = {
+    "lock-string": ("lock", "holds a string, expected a hash"),
+    "lock-list": ("lock", "holds a list, expected a hash"),
+    "lock-hash-no-ttl": ("lock", "holds a hash celery-lock did not write"),
+    "fence-abc": ("fence", "holds 'abc', expected a fence counter"),
+    "fence-at-max": ("fence", "expected a fence counter"),
+    "done-hash": ("done", "holds a hash, expected a string"),
+}
+
+
+@pytest.mark.parametrize("garbage", list(GARBAGE))
+def test_garbage_under_a_key_is_a_typed_error_naming_the_key(
+    garbage: str, store: LockStore, admin: redis.Redis
+) -> None:
+    GARBAGE[garbage](admin, KEYS)
+    role, words = EXPECTED[garbage]
+    with pytest.raises(LockStateError, match=words) as caught:
+        acquire(store, new_token())
+    assert caught.value.key == getattr(KEYS, role)
+    assert getattr(KEYS, role) in str(caught.value)
+
+
+def test_garbage_fails_the_task_without_running_or_deferring_it(
+    celery_app: Celery,
+    worker: Any,
+    tasks: dict[str, Any],
+    bodies: Bodies,
+    admin: redis.Redis,
+    deferred: list[dict[str, Any]],
+) -> None:
+    for fail_open in (False, True):
+        celery_app.conf.celery_lock_fail_open = fail_open
+        reset_runtime(celery_app)
+        for idx, garbage in enumerate(GARBAGE):
+            keys = tasks["work"].request_keys((idx,), {})
+            admin.delete(keys.lock, keys.fence, keys.done)
+            GARBAGE[garbage](admin, keys)
+            result = tasks["work"].delay(idx)
+            with pytest.raises(LockStateError, match=EXPECTED[garbage][1]):
+                result.get(timeout=TIMEOUT, interval=0.05)
+            assert result.state == "FAILURE", garbage
+    assert bodies.runs == []  # never unlocked, even with fail_open
+    assert deferred == []  # never deferred: that would loop for ever
+
+
+def test_garbage_mid_run_loses_the_lease_and_the_task_succeeds(
+    worker: Any, tasks: dict[str, Any], bodies: Bodies, admin: redis.Redis, logs: Records
+) -> None:
+    result = tasks["slow"].delay(7)
+    assert bodies.started.wait(TIMEOUT)
+    keys = tasks["slow"].request_keys((7,), {})
+    admin.delete(keys.lock)
+    admin.rpush(keys.lock, "garbage")  # overwritten by someone else
+    wait_for(lambda: bool(logs.messages(logging.ERROR, "lost while task")), what="lost")
+    bodies.proceed.set()
+    assert result.get(timeout=TIMEOUT) is True
+    assert logs.messages(logging.ERROR, "cannot extend the lease")
+    [failed] = logs.messages(logging.ERROR, "release of")
+    assert "holds a list, expected a hash" in failed
+    assert admin.lrange(keys.lock, 0, -1) == [b"garbage"]  # left alone
+
+
+def test_other_error_replies_fail_without_retry(
+    lock_server: RedisServer, admin: redis.Redis, logs: Records
+) -> None:
+    """A command the store refuses for good (here: an ACL denies EVALSHA) is not retried."""
+    admin.acl_setuser("noscript", enabled=True, nopass=True, keys=["*"],
+                      commands=["+@all", "-evalsha", "-eval"])  # fmt: skip
+    denied = LockStore.from_url(f"redis://noscript:x@127.0.0.1:{lock_server.port}/0")
+    try:
+        with pytest.raises(LockStoreError) as caught:
+            acquire(denied, new_token())
+    finally:
+        denied.client.close()
+    assert not isinstance(caught.value, (LockStoreUnavailableError, LockStateError))
+    assert logs.messages(logging.INFO, "trying again") == []
+
+
+# -- 5. tokens --------------------------------------------------------------------------------
+
+
+def test_tokens_are_distinct_across_forked_processes() -> None:
+    children, per_child = 16, 2_000
+    pipes: dict[int, int] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, Python 3.12+
+        for _ in range(children):
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                try:
+                    os.close(read)
+                    data = "\n".join(new_token() for _ in range(per_child)).encode()
+                    with os.fdopen(write, "wb") as out:
+                        out.write(data)
+                finally:
+                    os._exit(0)
+            os.close(write)
+            pipes[read] = pid
+    chunks: dict[int, list[bytes]] = {fd: [] for fd in pipes}
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        open_fds = set(pipes)
+        while open_fds:
+            assert time.monotonic() < deadline, "children did not report in time"
+            ready, _, _ = select.select(list(open_fds), [], [], 0.5)
+            for fd in ready:
+                chunk = os.read(fd, 65536)
+                if chunk:
+                    chunks[fd].append(chunk)
+                else:
+                    open_fds.discard(fd)
+    finally:
+        for fd, pid in pipes.items():
+            os.close(fd)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # by its pid; it has normally exited already
+            os.waitpid(pid, 0)
+    tokens = [t for fd in pipes for t in b"".join(chunks[fd]).decode().split("\n")]
+    assert len(tokens) == children * per_child
+    assert len(set(tokens)) == len(tokens)
+    assert all(len(token) == 32 and int(token, 16) >= 0 for token in tokens)  # 128 bits, hex
+    assert new_token() not in set(tokens)
+
+
+def test_tasks_in_one_process_draw_a_new_token_per_acquisition(
+    store: LockStore, admin: redis.Redis
+) -> None:
+    seen = set()
+    for idx in range(50):
+        keys = RequestKeys.build("celery-lock", "s", str(idx), "s")
+        acquire(store, new_token(), keys)
+        seen.add(admin.hget(keys.lock, "token"))
+    assert len(seen) == 50

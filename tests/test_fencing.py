@@ -1,0 +1,354 @@
+"""Fenced writes: the Redis script against the session's redis-server, the SQL helper on sqlite3.
+
+The rule under test: a write is accepted when its fence is >= the stored one (the same holder
+may write twice), refused when it is smaller.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_lock import CeleryLockError
+from celery_lock.fencing import (
+    MAX_FENCE,
+    FencedRedis,
+    FencedValue,
+    StaleFenceError,
+    fenced_get,
+    fenced_set,
+    fenced_update,
+)
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Acquired, Holder, new_token
+from celery_lock.store import LockStore
+from celery_lock.testing import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+SINK_DB = 5
+KEY = "sink:order-42"
+
+
+@pytest.fixture
+def sink(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client on an emptied database of the session's redis-server."""
+    client = redis_server.client(SINK_DB)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[sqlite3.Connection]:
+    conn = sqlite3.connect(tmp_path / "fenced.db")
+    conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, status TEXT, fence INTEGER)")
+    conn.executemany("INSERT INTO orders VALUES (?, 'new', NULL)", [(1,), (2,)])
+    conn.commit()
+    yield conn
+    conn.close()
+
+
+def row(conn: sqlite3.Connection, key: int = 1) -> tuple[str, int | None]:
+    status, fence = conn.execute("SELECT status, fence FROM orders WHERE id = ?", (key,)).fetchone()
+    return status, fence
+
+
+# -- Redis ------------------------------------------------------------------------------------
+
+
+def test_first_write_is_stored_with_its_fence(sink: redis.Redis) -> None:
+    assert fenced_set(sink, KEY, "paid", 3) is True
+    assert fenced_get(sink, KEY) == FencedValue(b"paid", 3)
+    assert sink.hgetall(KEY) == {b"value": b"paid", b"fence": b"3"}
+
+
+def test_higher_fence_is_accepted(sink: redis.Redis) -> None:
+    fenced_set(sink, KEY, "first", 1)
+    assert fenced_set(sink, KEY, "second", 2) is True
+    assert fenced_get(sink, KEY) == FencedValue(b"second", 2)
+
+
+def test_lower_fence_is_rejected_and_changes_nothing(sink: redis.Redis) -> None:
+    fenced_set(sink, KEY, "newer", 5)
+    assert fenced_set(sink, KEY, "stale", 4) is False
+    assert fenced_get(sink, KEY) == FencedValue(b"newer", 5)
+
+
+def test_same_fence_may_write_again(sink: redis.Redis) -> None:
+    fenced_set(sink, KEY, "draft", 2)
+    assert fenced_set(sink, KEY, "final", 2) is True
+    assert fenced_get(sink, KEY) == FencedValue(b"final", 2)
+
+
+def test_rejected_write_raises_when_asked(sink: redis.Redis) -> None:
+    sink_writer = FencedRedis(sink)
+    sink_writer.set(KEY, "newer", 7)
+    with pytest.raises(StaleFenceError) as caught:
+        sink_writer.set(KEY, "stale", 6, raise_on_stale=True)
+    error = caught.value
+    assert isinstance(error, CeleryLockError)
+    assert (error.record, error.fence, error.current) == (KEY, 6, 7)
+    assert str(error) == f"stale fence 6 for {KEY}: the store holds 7"
+    assert error.args == (KEY, 6, 7)  # rebuilt from a result backend as the same error
+
+
+def test_ttl_sets_the_records_expiry(sink: redis.Redis) -> None:
+    fenced_set(sink, KEY, "v", 1, ttl=30)
+    assert 29_000 < sink.pttl(KEY) <= 30_000
+    fenced_set(sink, "sink:no-ttl", "v", 1)
+    assert sink.pttl("sink:no-ttl") == -1
+
+
+def test_missing_record_reads_as_none(sink: redis.Redis) -> None:
+    assert fenced_get(sink, "sink:nothing") is None
+
+
+@pytest.mark.parametrize("fence", [True, 1.0, "3", None])
+def test_fence_of_the_wrong_type_is_refused(sink: redis.Redis, fence: Any) -> None:
+    with pytest.raises(TypeError):
+        fenced_set(sink, KEY, "v", fence)
+    assert not sink.exists(KEY)
+
+
+@pytest.mark.parametrize("fence", [-1, MAX_FENCE + 1])
+def test_fence_out_of_range_is_refused(sink: redis.Redis, fence: int) -> None:
+    with pytest.raises(ValueError, match="fence"):
+        fenced_set(sink, KEY, "v", fence)
+
+
+def test_largest_fence_compares_exactly(sink: redis.Redis) -> None:
+    fenced_set(sink, KEY, "top", MAX_FENCE)
+    assert fenced_set(sink, KEY, "below", MAX_FENCE - 1) is False
+    assert fenced_get(sink, KEY) == FencedValue(b"top", MAX_FENCE)
+
+
+def test_concurrent_writers_with_random_fences_end_with_the_largest(
+    redis_server: RedisServer, sink: redis.Redis
+) -> None:
+    fences = random.sample(range(1, 10_000), 400)
+    start = threading.Barrier(8)
+    accepted: list[int] = []
+
+    def writer(mine: list[int]) -> None:
+        client = redis_server.client(SINK_DB)
+        store = FencedRedis(client)
+        start.wait(10)
+        for fence in mine:
+            if store.set(KEY, f"by {fence}", fence):
+                accepted.append(fence)
+        client.close()
+
+    threads = [threading.Thread(target=writer, args=(fences[i::8],)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    top = max(fences)
+    assert fenced_get(sink, KEY) == FencedValue(f"by {top}".encode(), top)
+    assert top in accepted
+    assert len(accepted) < len(fences)  # some writers were late, with smaller fences
+
+
+def test_newer_lease_holder_fences_off_the_one_that_paused(
+    redis_server: RedisServer, sink: redis.Redis
+) -> None:
+    """Fences from real grants: holder A pauses past its TTL, B takes over and writes."""
+    store = LockStore.from_url(redis_server.url_for(SINK_DB))
+    keys = RequestKeys.build("celery-lock", "shop.settle", "42", "shop.settle")
+
+    def grant(task_id: str) -> int:
+        holder = Holder(task_id=task_id, task_name="shop.settle", host="h", pid=os.getpid())
+        outcome = store.acquire(keys, new_token(), 100, holder, 60_000)
+        assert isinstance(outcome, Acquired)
+        return outcome.fence
+
+    fence_a = grant("A")
+    time.sleep(0.3)  # A's lease lapses: no heartbeat extends it
+    fence_b = grant("B")
+    assert fence_b > fence_a
+    assert fenced_set(sink, KEY, "by B", fence_b) is True
+    assert fenced_set(sink, KEY, "by A", fence_a) is False
+    assert fenced_get(sink, KEY) == FencedValue(b"by B", fence_b)
+    store.client.close()
+
+
+# -- SQL --------------------------------------------------------------------------------------
+
+
+def test_sql_higher_fence_is_accepted(db: sqlite3.Connection) -> None:
+    assert fenced_update(db, "orders", "id", 1, {"status": "paid"}, 1) is True
+    assert fenced_update(db, "orders", "id", 1, {"status": "shipped"}, 2) is True
+    assert row(db) == ("shipped", 2)
+    assert row(db, 2) == ("new", None)
+
+
+def test_sql_lower_fence_is_rejected(db: sqlite3.Connection) -> None:
+    fenced_update(db, "orders", "id", 1, {"status": "newer"}, 5)
+    assert fenced_update(db, "orders", "id", 1, {"status": "stale"}, 4) is False
+    assert row(db) == ("newer", 5)
+
+
+def test_sql_same_fence_may_write_again(db: sqlite3.Connection) -> None:
+    fenced_update(db, "orders", "id", 1, {"status": "draft"}, 3)
+    assert fenced_update(db, "orders", "id", 1, {"status": "final"}, 3) is True
+    assert row(db) == ("final", 3)
+
+
+def test_sql_missing_row_is_not_updated(db: sqlite3.Connection) -> None:
+    assert fenced_update(db, "orders", "id", 99, {"status": "paid"}, 1) is False
+
+
+def test_sql_rejected_update_raises_when_asked(db: sqlite3.Connection) -> None:
+    fenced_update(db, "orders", "id", 1, {"status": "newer"}, 5)
+    with pytest.raises(StaleFenceError, match="stale fence 4 for orders:1"):
+        fenced_update(db, "orders", "id", 1, {"status": "stale"}, 4, raise_on_stale=True)
+
+
+def test_sql_update_runs_in_the_callers_transaction(db: sqlite3.Connection) -> None:
+    fenced_update(db, "orders", "id", 1, {"status": "paid"}, 1)
+    db.rollback()
+    assert row(db) == ("new", None)
+
+
+def test_sql_named_paramstyle(db: sqlite3.Connection) -> None:
+    updated = fenced_update(db, "orders", "id", 1, {"status": "paid"}, 1, paramstyle="named")
+    assert updated is True
+    assert row(db) == ("paid", 1)
+
+
+class RecordingConnection:
+    """Records the statement: for the paramstyles sqlite3 does not speak."""
+
+    def __init__(self) -> None:
+        self.executed: list[tuple[str, Any]] = []
+
+    def cursor(self) -> RecordingConnection:
+        return self
+
+    rowcount = 1
+
+    def execute(self, sql: str, params: Any) -> None:
+        self.executed.append((sql, params))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("style", "marks", "params"),
+    [
+        ("format", ["%s", "%s", "%s", "%s"], ["paid", 7, 1, 7]),
+        ("numeric", [":1", ":2", ":3", ":4"], ["paid", 7, 1, 7]),
+        ("pyformat", ["%(p0)s", "%(p1)s", "%(p2)s", "%(p3)s"],
+         {"p0": "paid", "p1": 7, "p2": 1, "p3": 7}),
+    ],
+)  # fmt: skip
+def test_sql_placeholders_follow_the_paramstyle(style: str, marks: list[str], params: Any) -> None:
+    conn = RecordingConnection()
+    assert fenced_update(conn, "orders", "id", 1, {"status": "paid"}, 7, paramstyle=style)
+    a, b, c, d = marks
+    assert conn.executed == [
+        (
+            f"UPDATE orders SET status = {a}, fence = {b}"
+            f" WHERE id = {c} AND (fence IS NULL OR fence <= {d})",
+            params,
+        )
+    ]
+
+
+def test_sql_unknown_driver_needs_a_paramstyle() -> None:
+    with pytest.raises(ValueError, match="paramstyle"):
+        fenced_update(RecordingConnection(), "orders", "id", 1, {"status": "paid"}, 1)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["orders; DROP TABLE orders", "orders\n", "1orders", "", "main.orders", 'or"ders',
+     "orders--", "ord ers", "ordérs"],
+)  # fmt: skip
+@pytest.mark.parametrize("where", ["table", "key_column", "fence_column", "values"])
+def test_sql_names_must_be_plain_identifiers(db: sqlite3.Connection, name: str, where: str) -> None:
+    args: dict[str, Any] = {"table": "orders", "key_column": "id", "values": {"status": "x"}}
+    if where == "values":
+        args["values"] = {name: "x"}
+    else:
+        args[where] = name
+    with pytest.raises(ValueError, match="must match"):
+        fenced_update(db, key=1, fence=1, **args)
+    assert db.execute("SELECT count(*) FROM orders").fetchone() == (2,)
+    assert row(db) == ("new", None)
+
+
+def test_sql_values_are_bound_not_spliced(db: sqlite3.Connection) -> None:
+    assert fenced_update(db, "orders", "id", "1 OR 1=1", {"status": "x"}, 1) is False
+    assert fenced_update(db, "orders", "id", 1, {"status": "'; DROP TABLE orders; --"}, 1)
+    assert row(db) == ("'; DROP TABLE orders; --", 1)
+    assert row(db, 2) == ("new", None)
+
+
+@pytest.mark.parametrize("values", [{}, {"fence": 9}, {"id": 3, "status": "x"}])
+def test_sql_values_must_set_other_columns(db: sqlite3.Connection, values: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="values"):
+        fenced_update(db, "orders", "id", 1, values, 1)
+
+
+def test_sql_concurrent_writers_with_random_fences_end_with_the_largest(tmp_path: Path) -> None:
+    path = tmp_path / "race.db"
+    with sqlite3.connect(path) as setup:
+        setup.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, status TEXT, fence INTEGER)")
+        setup.execute("INSERT INTO orders VALUES (1, 'new', NULL)")
+    setup.close()
+    fences = random.sample(range(1, 10_000), 200)
+    start = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def writer(mine: list[int]) -> None:
+        conn = sqlite3.connect(path, timeout=30)
+        try:
+            start.wait(10)
+            for fence in mine:
+                fenced_update(conn, "orders", "id", 1, {"status": f"by {fence}"}, fence)
+                conn.commit()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=writer, args=(fences[i::4],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    assert not any(thread.is_alive() for thread in threads)
+    conn = sqlite3.connect(path)
+    top = max(fences)
+    assert row(conn) == (f"by {top}", top)
+    conn.close()
+
+
+# -- the example ------------------------------------------------------------------------------
+
+
+def test_example_runs_and_fences_off_the_stale_holder() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "fencing.py")],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "A writes with fence 1: fenced update REJECTED" in done.stdout
+    assert "B writes with fence 2: fenced update accepted" in done.stdout
+    assert "OK: the stale holder was fenced off" in done.stdout

@@ -1,0 +1,656 @@
+"""Request keys and the Redis keys of a request: stable, distinct, one hash slot, bounded.
+
+Nothing here talks to Redis: the lock store URL is set but never contacted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import operator
+import os
+import re
+import string
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+from celery import Celery, Task
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.crc import key_slot
+
+from celery_lock import LockedTask, LockKeyError
+from celery_lock.keys import (
+    MAX_KEY_LENGTH,
+    KeyDeriver,
+    RequestKeys,
+    digest_arguments,
+    safe_key_part,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+app = Celery("keys_tests", broker="memory://", set_as_current=False)
+app.conf.celery_lock_redis_url = "redis://127.0.0.1:1/0"
+
+# shared=False: a shared task is added to *every* app that finalizes later in this process.
+TASK_OPTIONS: dict[str, Any] = {"base": LockedTask, "shared": False, "lazy": False}
+
+
+@app.task(name="keys_tests.by_name", lock_key="request_idx", **TASK_OPTIONS)
+def by_name(request_idx: Any, tenant: str = "acme") -> Any:
+    return request_idx
+
+
+@app.task(name="keys_tests.by_template", lock_key="{tenant}:{request_idx}", **TASK_OPTIONS)
+def by_template(tenant: Any, request_idx: Any) -> Any:
+    return request_idx
+
+
+@app.task(name="keys_tests.by_kwargs", lock_key="{tenant}:{request_idx}", **TASK_OPTIONS)
+def by_kwargs(**fields: Any) -> Any:
+    return fields
+
+
+@app.task(name="keys_tests.by_digest", **TASK_OPTIONS)
+def by_digest(a: Any, b: Any = 2, c: Any = None) -> Any:
+    return a
+
+
+# -- shared with the subprocess of the cross-process tests -------------------------------------
+
+SHARED_SOURCE = '''
+import hashlib
+import inspect
+
+from celery_lock.keys import KeyDeriver, RequestKeys, digest_arguments, safe_key_part
+
+
+def by_name(request_idx, tenant="acme", *, priority=0):
+    pass
+
+
+def by_template(tenant, request_idx, note=None):
+    pass
+
+
+def by_default(a, b=2, *rest, c=None, **extra):
+    pass
+
+
+def key_of(request_idx, *args, **kwargs):
+    return request_idx
+
+
+SPECS = {
+    "name": (by_name, "request_idx"),
+    "template": (by_template, "{tenant}:{request_idx}"),
+    "conversions": (by_template, "{tenant!s}/{request_idx!r}"),
+    "callable": (by_name, key_of),
+    "digest": (by_default, None),
+}
+
+
+def derive(spec_name, args, kwargs, prefix, scope):
+    """The request key and the three Redis keys of one call."""
+    func, spec = SPECS[spec_name]
+    task_name = "tests." + func.__name__
+    deriver = KeyDeriver.create(task_name, inspect.signature(func), spec)
+    request_key = deriver.request_key(tuple(args), kwargs)
+    keys = RequestKeys.build(prefix, scope or task_name, request_key, task_name)
+    return [request_key, keys.lock, keys.fence, keys.done]
+
+
+def compute(case):
+    kind = case[0]
+    if kind == "part":
+        return safe_key_part(case[1])
+    if kind == "digest":
+        return digest_arguments(case[1], case[2])
+    return derive(*case[1:])
+'''
+
+CHILD_SOURCE = (
+    SHARED_SOURCE
+    + """
+import json
+import sys
+
+
+def decode(value):
+    if not isinstance(value, dict):
+        return value
+    ((tag, items),) = value.items()
+    if tag == "bytes":
+        return bytes.fromhex(items)
+    if tag == "dict":
+        return {key: decode(item) for key, item in items}
+    kind = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag]
+    return kind(decode(item) for item in items)
+
+
+cases = [decode(case) for case in json.load(sys.stdin)]
+json.dump([compute(case) for case in cases], sys.stdout)
+"""
+)
+
+SHARED: dict[str, Any] = {}
+exec(SHARED_SOURCE, SHARED)  # the very code the subprocess runs
+
+
+def encode(value: Any) -> Any:
+    """A JSON form of ``value`` that keeps its types and its dict and set iteration order."""
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    if isinstance(value, dict):
+        return {"dict": [[key, encode(item)] for key, item in value.items()]}
+    for kind in (list, tuple, frozenset, set):
+        if isinstance(value, kind):
+            return {kind.__name__: [encode(item) for item in value]}
+    return value
+
+
+def keys_in_fresh_process(cases: list[Any]) -> list[Any]:
+    """Run ``compute`` on every case in a new interpreter with a different hash seed."""
+    env = dict(os.environ)
+    env["PYTHONHASHSEED"] = "4242" if env.get("PYTHONHASHSEED") != "4242" else "2424"
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD_SOURCE],
+        input=json.dumps([encode(case) for case in cases]),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result: list[Any] = json.loads(proc.stdout)
+    return result
+
+
+def assert_same_keys_in_fresh_process(cases: list[Any]) -> None:
+    here = [json.loads(json.dumps(SHARED["compute"](case))) for case in cases]
+    there = keys_in_fresh_process(cases)
+    assert len(there) == len(cases)
+    for case, mine, theirs in zip(cases, here, there, strict=True):
+        assert mine == theirs, f"keys differ across processes for {case!r}"
+
+
+# -- strategies ----------------------------------------------------------------------------------
+
+SAFE_ALPHABET = string.ascii_letters + string.digits + "_.:@/+=-"
+SAFE_CHARS = "ABCXYZabcxyz0189_.:@/+=-"
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+hashables = st.recursive(
+    st.none() | st.integers() | st.text(max_size=5) | st.binary(max_size=5),
+    lambda inner: st.tuples(inner, inner) | st.frozensets(inner, max_size=3),
+    max_leaves=4,
+)
+# Everything the default digest accepts: JSON-like values, bytes, tuples, sets, frozensets.
+digestible = st.recursive(
+    json_scalars | st.binary(max_size=8) | st.sets(hashables, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+huge_text = st.builds(operator.mul, st.text(min_size=1, max_size=8), st.integers(1_250, 2_500))
+# Request keys as a caller may hand them in: long, binary, braces, control characters.
+raw_keys = st.one_of(
+    st.text(),
+    st.text(alphabet="{}:ab \t\n\x00\x7f~é", max_size=200),
+    huge_text,
+    st.sampled_from(["x" * 10_000, "{" * 10_000, "}{" * 5_000, "\x00" * 10_000]),
+    st.binary(max_size=2_000),
+    st.integers(),
+    st.booleans(),
+)
+prefixes = st.text(
+    alphabet=st.characters(blacklist_characters="{} \n", blacklist_categories=("Cs",)),
+    min_size=1,
+    max_size=20,
+)
+call_values = st.text() | st.binary(max_size=20) | st.integers() | st.booleans() | st.none()
+
+
+@st.composite
+def derive_cases(draw: st.DrawFn) -> list[Any]:
+    spec = draw(st.sampled_from(["name", "template", "conversions", "callable", "digest"]))
+    key, tenant = draw(call_values), draw(call_values)
+    args: list[Any]
+    kwargs: dict[str, Any]
+    if spec in ("name", "callable"):
+        args, kwargs = draw(st.sampled_from([([key], {}), ([], {"request_idx": key})]))
+    elif spec in ("template", "conversions"):
+        args, kwargs = draw(
+            st.sampled_from([([tenant, key], {}), ([], {"request_idx": key, "tenant": tenant})])
+        )
+    else:
+        args = draw(st.lists(digestible, min_size=1, max_size=4))
+        names = st.text(min_size=1, max_size=5).filter(lambda n: n not in ("a", "b", "rest"))
+        kwargs = draw(st.dictionaries(names, digestible, max_size=3))
+    prefix = draw(prefixes)
+    scope = draw(st.none() | st.text(max_size=20))
+    return ["derive", spec, args, kwargs, prefix, scope]
+
+
+def deriver(task: Any) -> KeyDeriver:
+    return KeyDeriver.create(task.name, inspect.signature(task.run), task.lock_key)
+
+
+def hash_tag(key: str) -> str:
+    """The part of ``key`` Redis Cluster hashes, as :func:`redis.crc.key_slot` finds it."""
+    start = key.index("{")
+    return key[start + 1 : key.index("}", start + 1)]
+
+
+def slot(key: str) -> int:
+    return key_slot(key.encode())
+
+
+# -- (a) stable ------------------------------------------------------------------------------------
+
+
+def test_safe_key_parts_are_the_same_in_a_fresh_process() -> None:
+    cases: list[Any] = []
+
+    @settings(max_examples=150, deadline=None, database=None)
+    @given(raw=raw_keys.filter(lambda r: isinstance(r, (str, bytes))))
+    def collect(raw: str | bytes) -> None:
+        cases.append(["part", raw])
+
+    collect()
+    assert_same_keys_in_fresh_process(cases)
+
+
+def test_argument_digests_are_the_same_in_a_fresh_process() -> None:
+    cases: list[Any] = []
+
+    @settings(max_examples=150, deadline=None, database=None)
+    @given(task_name=st.text(), arguments=st.dictionaries(st.text(max_size=8), digestible))
+    def collect(task_name: str, arguments: dict[str, Any]) -> None:
+        cases.append(["digest", task_name, arguments])
+
+    collect()
+    cases.append(["digest", "t", {"s": {"b", "a", "c", "d", "e", "f", "g", "h"}}])
+    assert_same_keys_in_fresh_process(cases)
+
+
+def test_derived_request_keys_are_the_same_in_a_fresh_process() -> None:
+    cases: list[Any] = []
+
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(case=derive_cases())
+    def collect(case: list[Any]) -> None:
+        cases.append(case)
+
+    collect()
+    assert_same_keys_in_fresh_process(cases)
+
+
+@settings(max_examples=150)
+@given(a=json_values, b=json_values, c=json_values)
+def test_default_key_ignores_how_the_arguments_are_passed(a: Any, b: Any, c: Any) -> None:
+    derive = deriver(by_digest)
+    expected = derive.request_key((a, b, c), {})
+    assert derive.request_key((a,), {"c": c, "b": b}) == expected
+    assert derive.request_key((), {"b": b, "c": c, "a": a}) == expected
+    assert derive.request_key((a, b), {"c": c}) == expected
+
+
+@settings(max_examples=150)
+@given(a=json_values)
+def test_default_key_applies_defaults(a: Any) -> None:
+    derive = deriver(by_digest)
+    assert derive.request_key((a,), {}) == derive.request_key((a, 2, None), {})
+    assert derive.request_key((), {"a": a}) == derive.request_key((), {"a": a, "b": 2})
+
+
+@settings(max_examples=150)
+@given(
+    items=st.dictionaries(
+        st.text(max_size=8).filter(lambda n: n not in ("a", "b", "rest")), json_values, min_size=2
+    )
+)
+def test_default_key_ignores_dict_order(items: dict[str, Any]) -> None:
+    backwards = dict(reversed(list(items.items())))
+    assert digest_arguments("t", {"a": items}) == digest_arguments("t", {"a": backwards})
+    assert digest_arguments("t", items) == digest_arguments("t", backwards)
+    derive = KeyDeriver.create("t", inspect.signature(SHARED["by_default"]), None)
+    assert derive.request_key((1,), items) == derive.request_key((1,), backwards)
+
+
+@settings(max_examples=150)
+@given(members=st.lists(hashables, min_size=2, max_size=8, unique=True))
+def test_default_key_ignores_set_order(members: list[Any]) -> None:
+    forwards, backwards = set(), set()
+    for member in members:
+        forwards.add(member)
+    for member in reversed(members):
+        backwards.add(member)
+    assert digest_arguments("t", {"s": forwards}) == digest_arguments("t", {"s": backwards})
+
+
+def test_default_key_treats_a_tuple_like_the_list_a_worker_receives() -> None:
+    assert digest_arguments("t", {"a": (1, (2, b"x"))}) == digest_arguments(
+        "t", {"a": [1, [2, b"x"]]}
+    )
+
+
+# -- (b) distinct ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=150)
+@given(request_keys=st.lists(st.text() | huge_text, min_size=2, max_size=20, unique=True))
+def test_distinct_text_request_keys_give_distinct_keys(request_keys: list[str]) -> None:
+    derive = deriver(by_name)
+    keys = [
+        RequestKeys.build("celery-lock", by_name.name, derive.request_key((k,), {}), by_name.name)
+        for k in request_keys
+    ]
+    assert len({k.lock for k in keys}) == len(request_keys)
+    assert len({k.fence for k in keys}) == len(request_keys)
+    assert len({k.done for k in keys}) == len(request_keys)
+
+
+@settings(max_examples=150)
+@given(
+    calls=st.lists(
+        st.tuples(json_values, json_values, json_values),
+        min_size=2,
+        max_size=10,
+        unique_by=lambda call: json.dumps(call, sort_keys=True),
+    )
+)
+def test_distinct_arguments_give_distinct_default_keys(calls: list[tuple[Any, ...]]) -> None:
+    derive = deriver(by_digest)
+    assert len({derive.request_key(call, {}) for call in calls}) == len(calls)
+
+
+@settings(max_examples=100)
+@given(names=st.lists(st.text(), min_size=2, max_size=5, unique=True), a=json_values)
+def test_distinct_task_names_give_distinct_default_keys(names: list[str], a: Any) -> None:
+    assert len({digest_arguments(name, {"a": a}) for name in names}) == len(names)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [("1", 1), (1, 1.0), (1, True), (0, False), (None, "null"), ("ab", b"ab"), ([1, 2], {1, 2})],
+    ids=["str-int", "int-float", "int-bool", "zero-false", "none-str", "str-bytes", "list-set"],
+)
+def test_default_key_tells_types_apart(one: Any, other: Any) -> None:
+    assert digest_arguments("t", {"a": one}) != digest_arguments("t", {"a": other})
+
+
+# -- (c) one hash slot -----------------------------------------------------------------------------
+
+
+@settings(max_examples=200)
+@given(
+    prefix=prefixes,
+    scope=st.text() | huge_text,
+    raw=raw_keys,
+    task_name=st.text() | huge_text,
+    spec=st.sampled_from(["request_idx", None]),
+)
+def test_keys_of_one_request_share_one_hash_slot(
+    prefix: str, scope: str, raw: Any, task_name: str, spec: str | None
+) -> None:
+    derive = KeyDeriver.create(task_name, inspect.signature(SHARED["by_name"]), spec)
+    request_key = derive.request_key((raw,), {})
+    keys = RequestKeys.build(prefix, scope, request_key, task_name)
+
+    tag = f"{safe_key_part(scope)}:{request_key}"
+    assert hash_tag(keys.lock) == hash_tag(keys.fence) == hash_tag(keys.done) == tag
+    assert slot(keys.lock) == slot(keys.fence) == slot(keys.done) == slot(tag)
+
+
+def test_keys_follow_the_documented_layout() -> None:
+    keys = RequestKeys.build("celery-lock", "tasks.process", "42", "tasks.process")
+    assert keys.lock == "celery-lock:{tasks.process:42}:lock"
+    assert keys.fence == "celery-lock:{tasks.process:42}:fence"
+    assert keys.done == "celery-lock:{tasks.process:42}:done:tasks.process"
+    assert hash_tag(keys.lock) == "tasks.process:42"
+
+
+def test_tasks_sharing_a_scope_share_the_lock_but_not_the_done_marker() -> None:
+    pending = RequestKeys.build("p", "request", "42", "tasks.pending")
+    process = RequestKeys.build("p", "request", "42", "tasks.process")
+    assert (pending.lock, pending.fence) == (process.lock, process.fence)
+    assert pending.done != process.done
+    assert slot(pending.done) == slot(process.done)
+
+
+# -- (d) bounded -----------------------------------------------------------------------------------
+
+
+@settings(max_examples=200)
+@given(prefix=prefixes, scope=raw_keys, raw=raw_keys, task_name=raw_keys)
+def test_keys_are_bounded_whatever_the_input(
+    prefix: str, scope: Any, raw: Any, task_name: Any
+) -> None:
+    scope, task_name = str(scope), str(task_name)
+    request_key = KeyDeriver.create(
+        task_name, inspect.signature(SHARED["by_name"]), "request_idx"
+    ).request_key((raw,), {})
+    keys = RequestKeys.build(prefix, scope, request_key, task_name)
+
+    assert len(request_key) <= MAX_KEY_LENGTH
+    assert not set(request_key) & set("{} \n\x00")
+    assert len(keys.lock) <= len(prefix) + 2 * MAX_KEY_LENGTH + len(":{:}:lock")
+    assert len(keys.done) <= len(prefix) + 3 * MAX_KEY_LENGTH + len(":{:}:done:")
+
+
+@settings(max_examples=150)
+@given(raw=raw_keys.filter(lambda r: isinstance(r, (str, bytes))))
+def test_safe_key_part_is_plain_or_a_digest(raw: str | bytes) -> None:
+    part = safe_key_part(raw)
+    plain = isinstance(raw, str) and len(raw) <= MAX_KEY_LENGTH and set(raw) <= set(SAFE_ALPHABET)
+    if plain:
+        assert part == raw
+    else:
+        assert re.fullmatch(r"[A-Za-z0-9_.:@/+=-]{0,40}~[0-9a-f]{32}", part), part
+
+
+@settings(max_examples=150)
+@given(
+    readable=st.text(alphabet=SAFE_CHARS, min_size=1, max_size=40),
+    tail=st.sampled_from(["{x}", " ", "\x00", "é", "~", "}" * 300, "a" * 200]),
+    rest=st.text(max_size=50),
+)
+def test_digested_keys_keep_a_readable_prefix(readable: str, tail: str, rest: str) -> None:
+    for raw in (readable + tail + rest, (readable + tail + rest).encode()):
+        part = safe_key_part(raw)
+        assert part.startswith(readable)
+        assert "~" in part
+
+
+# -- examples ------------------------------------------------------------------------------------
+
+
+def test_argument_name_key_is_the_argument_value() -> None:
+    keys = by_name.request_keys((42,), {})
+    assert keys.lock == "celery-lock:{keys_tests.by_name:42}:lock"
+    assert by_name.request_keys((), {"request_idx": 42, "tenant": "x"}) == keys
+
+
+def test_template_key_joins_the_named_arguments() -> None:
+    keys = by_template.request_keys(("acme",), {"request_idx": 7})
+    assert hash_tag(keys.lock) == "keys_tests.by_template:acme:7"
+
+
+def test_template_over_kwargs_is_checked_at_publish_time() -> None:
+    keys = by_kwargs.request_keys((), {"request_idx": 7, "tenant": "acme", "note": "x"})
+    assert hash_tag(keys.lock) == "keys_tests.by_kwargs:acme:7"
+    with (
+        mock.patch.object(Task, "apply_async") as published,
+        pytest.raises(
+            LockKeyError, match=r"keys_tests\.by_kwargs: the call has no argument 'tenant'"
+        ),
+    ):
+        by_kwargs.delay(request_idx=7)
+    published.assert_not_called()
+
+
+def test_template_conversions_render_the_value_not_the_object() -> None:
+    derive = KeyDeriver.create(
+        "t", inspect.signature(SHARED["by_template"]), "{tenant!s}:{request_idx!r}"
+    )
+    assert derive.request_key(("acme", "x"), {}) == safe_key_part("acme:'x'")
+    assert derive.request_key(("acme", 7), {}) == "acme:7"
+
+
+def test_template_that_cannot_format_the_value_raises_lock_key_error() -> None:
+    derive = KeyDeriver.create(
+        "t", inspect.signature(SHARED["by_template"]), "{tenant}:{request_idx:d}"
+    )
+    assert derive.request_key(("acme", 7), {}) == "acme:7"
+    with pytest.raises(LockKeyError, match=r"t: cannot render lock_key .*request_idx:d"):
+        derive.request_key(("acme", "seven"), {})
+
+
+@pytest.mark.parametrize(
+    ("returned", "expected"),
+    [
+        ("order-7", "order-7"),
+        (b"order-7", "order-7~" + hashlib.sha256(b"order-7").hexdigest()[:32]),
+        (7, "7"),
+    ],
+    ids=["str", "bytes", "int"],
+)
+def test_callable_key_is_what_the_callable_returns(returned: Any, expected: str) -> None:
+    seen: list[Any] = []
+
+    def key_of(*args: Any, **kwargs: Any) -> Any:
+        seen.append((args, kwargs))
+        return returned
+
+    @app.task(
+        name=f"keys_tests.by_callable_{type(returned).__name__}", lock_key=key_of, **TASK_OPTIONS
+    )
+    def by_callable(request_idx: Any) -> Any:
+        return request_idx
+
+    keys = by_callable.request_keys((1,), {"x": 2})
+    assert hash_tag(keys.lock) == f"{by_callable.name}:{expected}"
+    assert seen == [((1,), {"x": 2})]
+
+
+def test_default_key_is_a_digest_of_the_task_name_and_bound_arguments() -> None:
+    keys = by_digest.request_keys((1,), {})
+    request_key = digest_arguments("keys_tests.by_digest", {"a": 1, "b": 2, "c": None})
+    assert request_key.startswith("args~")
+    assert hash_tag(keys.lock) == f"keys_tests.by_digest:{request_key}"
+
+
+def test_lock_key_naming_a_missing_argument_fails_at_class_creation() -> None:
+    with pytest.raises(LockKeyError) as raised:
+
+        @app.task(name="keys_tests.missing", lock_key="nope", **TASK_OPTIONS)
+        def missing(request_idx: Any) -> None:
+            pass
+
+    assert "'nope'" in str(raised.value)
+    assert "keys_tests.missing" in str(raised.value)
+    assert raised.value.task_name == "keys_tests.missing"
+
+
+def test_lock_key_naming_a_missing_argument_fails_at_finalize_for_a_lazy_task() -> None:
+    lazy_app = Celery("keys_tests_lazy", broker="memory://", set_as_current=False)
+
+    @lazy_app.task(base=LockedTask, name="keys_tests_lazy.missing", lock_key="nope", shared=False)
+    def missing(request_idx: Any) -> None:
+        pass
+
+    with pytest.raises(
+        LockKeyError, match=r"keys_tests_lazy\.missing: lock_key 'nope' names 'nope'"
+    ):
+        lazy_app.finalize()
+
+
+@pytest.mark.parametrize(
+    "template", ["{tenant", "{tenant}}", "{tenant}:{request_idx", "{tenant!rr}"]
+)
+def test_malformed_template_fails_at_class_creation(template: str) -> None:
+    with pytest.raises(
+        LockKeyError, match=r"keys_tests\.malformed: lock_key template .* is malformed"
+    ):
+
+        @app.task(name="keys_tests.malformed", lock_key=template, **TASK_OPTIONS)
+        def malformed(tenant: Any, request_idx: Any) -> None:
+            pass
+
+
+@pytest.mark.parametrize("template", ["{0}", "{}", "{0}:{request_idx}", "{0.x}"])
+def test_positional_template_fails_at_class_creation(template: str) -> None:
+    with pytest.raises(LockKeyError, match=r"keys_tests\.positional: .* must name its fields"):
+
+        @app.task(name="keys_tests.positional", lock_key=template, **TASK_OPTIONS)
+        def positional(request_idx: Any) -> None:
+            pass
+
+
+@pytest.mark.parametrize(
+    "publish",
+    [lambda: by_name.apply_async(args=()), by_name.delay, lambda: by_name.delay(x=1)],
+    ids=["apply_async", "delay", "delay-wrong-kwarg"],
+)
+def test_call_without_the_key_argument_raises_and_publishes_nothing(publish: Any) -> None:
+    with (
+        mock.patch.object(Task, "apply_async") as published,
+        pytest.raises(LockKeyError, match=r"keys_tests\.by_name: cannot derive .*'request_idx'"),
+    ):
+        publish()
+    published.assert_not_called()
+
+
+def test_call_with_the_key_argument_is_published() -> None:
+    with mock.patch.object(Task, "apply_async") as published:
+        by_name.delay(42)
+    published.assert_called_once()
+    assert published.call_args.args[0] == (42,)
+
+
+def test_braces_in_a_request_key_are_digested() -> None:
+    keys = by_name.request_keys(("{evil}",), {})
+    request_key = keys.lock.split(f"{by_name.name}:", 1)[1].removesuffix("}:lock")
+    assert "{" not in request_key
+    assert "}" not in request_key
+    assert request_key.startswith("evil~")
+    assert keys.lock != by_name.request_keys(("evil",), {}).lock
+    assert hash_tag(keys.lock) == f"keys_tests.by_name:{request_key}"
+
+
+def test_non_json_argument_under_the_default_key_raises() -> None:
+    with pytest.raises(LockKeyError) as raised:
+        by_digest.request_keys((object(),), {})
+    message = str(raised.value)
+    assert message.startswith(
+        "keys_tests.by_digest: the default lock_key needs JSON-like arguments"
+    )
+    assert "object" in message
+    assert "set lock_key" in message
+
+
+def test_non_json_argument_under_the_default_key_is_not_published() -> None:
+    with (
+        mock.patch.object(Task, "apply_async") as published,
+        pytest.raises(LockKeyError, match="JSON-like"),
+    ):
+        by_digest.delay({1: object()})
+    published.assert_not_called()

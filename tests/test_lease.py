@@ -1,0 +1,147 @@
+"""The lease scripts against a real redis-server: outcomes, fences, re-entrancy, done-markers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import redis
+
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Acquired, Done, Held, Holder, Lease, new_token
+from celery_lock.store import LockStore
+
+HOLDER = Holder(task_id="task-1", task_name="shop.process", host="host-a", pid=101)
+OTHER = Holder(task_id="task-2", task_name="shop.process", host="host-b", pid=202)
+KEYS = RequestKeys.build("celery-lock", "shop.process", "42", "shop.process")
+TTL_MS = 5_000
+FENCE_TTL_MS = 60_000
+
+
+def command_calls(client: redis.Redis) -> Counter[str]:
+    """Calls per command so far (``INFO commandstats``)."""
+    stats = client.info("commandstats")
+    return Counter({name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()})
+
+
+def acquire(store: LockStore, token: str, holder: Holder = HOLDER, keys: RequestKeys = KEYS):
+    return store.acquire(keys, token, TTL_MS, holder, FENCE_TTL_MS)
+
+
+def lease_for(store: LockStore, token: str, fence: int, holder: Holder = HOLDER) -> Lease:
+    return Lease(store, KEYS, token, TTL_MS, fence, holder)
+
+
+def test_first_acquire_is_granted_with_fence_one(lock_url: str, lock_redis: redis.Redis) -> None:
+    store = LockStore.from_url(lock_url)
+    assert acquire(store, new_token()) == Acquired(fence=1)
+    lock = lock_redis.hgetall(KEYS.lock)
+    assert lock[b"task_id"] == b"task-1"
+    assert lock[b"host"] == b"host-a"
+    assert 0 < lock_redis.pttl(KEYS.lock) <= TTL_MS
+    assert 0 < lock_redis.pttl(KEYS.fence) <= FENCE_TTL_MS
+
+
+def test_second_token_sees_held_with_holder_and_ttl(lock_url: str) -> None:
+    store = LockStore.from_url(lock_url)
+    acquire(store, new_token())
+    outcome = acquire(store, new_token(), OTHER)
+    assert isinstance(outcome, Held)
+    assert outcome.task_id == "task-1"
+    assert outcome.task_name == "shop.process"
+    assert 0 < outcome.pttl_ms <= TTL_MS
+
+
+def test_acquire_is_reentrant_for_the_same_token(lock_url: str) -> None:
+    store = LockStore.from_url(lock_url)
+    token = new_token()
+    assert acquire(store, token) == Acquired(fence=1)
+    # A retried call after a lost reply must not report HELD against itself.
+    assert acquire(store, token) == Acquired(fence=1)
+
+
+def test_fence_increases_on_every_grant(lock_url: str) -> None:
+    store = LockStore.from_url(lock_url)
+    fences = []
+    for _ in range(5):
+        token = new_token()
+        outcome = acquire(store, token)
+        assert isinstance(outcome, Acquired)
+        fences.append(outcome.fence)
+        store.release(lease_for(store, token, outcome.fence), success=False, done_ttl_ms=1000)
+    assert fences == [1, 2, 3, 4, 5]
+
+
+def test_successful_release_writes_done_marker(lock_url: str, lock_redis: redis.Redis) -> None:
+    store = LockStore.from_url(lock_url)
+    token = new_token()
+    acquire(store, token)
+    assert store.release(lease_for(store, token, 1), success=True, done_ttl_ms=30_000)
+    assert not lock_redis.exists(KEYS.lock)
+    assert lock_redis.get(KEYS.done) == b"task-1"
+    assert 0 < lock_redis.pttl(KEYS.done) <= 30_000
+    assert acquire(store, new_token(), OTHER) == Done(task_id="task-1")
+
+
+def test_failed_release_frees_the_request_without_done_marker(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    store = LockStore.from_url(lock_url)
+    token = new_token()
+    acquire(store, token)
+    assert store.release(lease_for(store, token, 1), success=False, done_ttl_ms=30_000)
+    assert not lock_redis.exists(KEYS.done)
+    assert acquire(store, new_token(), OTHER) == Acquired(fence=2)
+
+
+def test_release_by_a_stale_token_changes_nothing(lock_url: str, lock_redis: redis.Redis) -> None:
+    store = LockStore.from_url(lock_url)
+    acquire(store, new_token())
+    stale = lease_for(store, new_token(), 1)
+    assert store.release(stale, success=True, done_ttl_ms=30_000) is False
+    assert lock_redis.hget(KEYS.lock, "task_id") == b"task-1"
+    assert not lock_redis.exists(KEYS.done)
+
+
+def test_done_marker_is_per_task_name_within_a_scope(lock_url: str) -> None:
+    store = LockStore.from_url(lock_url)
+    pending = RequestKeys.build("celery-lock", "request", "7", "shop.pending")
+    process = RequestKeys.build("celery-lock", "request", "7", "shop.process")
+    assert pending.lock == process.lock
+    token = new_token()
+    acquire(store, token, keys=pending)
+    lease = Lease(store, pending, token, TTL_MS, 1, HOLDER)
+    store.release(lease, success=True, done_ttl_ms=30_000)
+    # The pending stage finishing a request does not make it done for the process stage.
+    assert acquire(store, new_token(), OTHER, keys=process) == Acquired(fence=2)
+
+
+def test_extend_all_resets_ttls_in_one_round_trip(lock_url: str, lock_redis: redis.Redis) -> None:
+    store = LockStore.from_url(lock_url)
+    token = new_token()
+    acquire(store, token)
+    lock_redis.pexpire(KEYS.lock, 100)
+    stale = lease_for(store, new_token(), 1)
+    store.extend_all([stale])  # loads the script: later beats are pure EVALSHA
+    before = command_calls(lock_redis)
+    assert store.extend_all([lease_for(store, token, 1), stale]) == [True, False]
+    calls = command_calls(lock_redis) - before
+    assert lock_redis.pttl(KEYS.lock) > 1_000
+    # One EVALSHA per lease and nothing else: no SCRIPT EXISTS before the pipeline.
+    assert calls["evalsha"] == 2
+    assert calls["script|exists"] == 0
+
+
+def test_extend_all_reloads_scripts_after_script_flush(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    store = LockStore.from_url(lock_url)
+    token = new_token()
+    acquire(store, token)
+    lock_redis.script_flush()
+    assert store.extend_all([lease_for(store, token, 1)]) == [True]
+
+
+def test_tokens_are_128_bit_and_distinct() -> None:
+    tokens = {new_token() for _ in range(1000)}
+    assert len(tokens) == 1000
+    assert all(len(token) == 32 for token in tokens)

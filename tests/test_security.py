@@ -1,0 +1,102 @@
+"""Credentials, TLS URLs, and what logs may carry."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from redis.connection import SSLConnection
+
+from celery_lock import SKIPPED, LockedTask
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Acquired, Done, Holder, Lease, new_token
+from celery_lock.runtime import reset_runtime
+from celery_lock.store import LockStore
+from celery_lock.testing import RedisServer
+
+HOLDER = Holder("task-1", "shop.process", "host", 1)
+KEYS = RequestKeys.build("celery-lock", "shop.process", "42", "shop.process")
+PASSWORD = "s3cret-pw"
+
+
+@pytest.fixture(scope="module")
+def guarded_server() -> Iterator[RedisServer]:
+    """A redis-server that wants a password, with an ACL user limited to our key prefix."""
+    with RedisServer(extra_args=["--requirepass", PASSWORD]) as server:
+        admin = server.client()
+        admin.acl_setuser(
+            "locker", enabled=True, passwords=[f"+{PASSWORD}"], keys=["celery-lock:*"],
+            commands=["+@read", "+@write", "+@scripting", "+@connection", "-@dangerous"],
+        )  # fmt: skip
+        admin.close()
+        yield server
+
+
+def full_cycle(store: LockStore) -> None:
+    """Acquire, heartbeat, release with done-marker, then see DONE."""
+    token = new_token()
+    outcome = store.acquire(KEYS, token, 5_000, HOLDER, 60_000)
+    assert isinstance(outcome, Acquired)
+    lease = Lease(store, KEYS, token, 5_000, outcome.fence, HOLDER)
+    assert store.extend_all([lease]) == [True]
+    assert store.release(lease, success=True, done_ttl_ms=60_000)
+    assert store.acquire(KEYS, new_token(), 5_000, HOLDER, 60_000) == Done("task-1")
+    store.client.delete(KEYS.done, KEYS.fence)
+
+
+def test_password_url_works(guarded_server: RedisServer) -> None:
+    store = LockStore.from_url(f"redis://:{PASSWORD}@127.0.0.1:{guarded_server.port}/0")
+    try:
+        full_cycle(store)
+    finally:
+        store.client.close()
+
+
+def test_acl_user_limited_to_the_prefix_runs_every_script(guarded_server: RedisServer) -> None:
+    store = LockStore.from_url(f"redis://locker:{PASSWORD}@127.0.0.1:{guarded_server.port}/0")
+    try:
+        full_cycle(store)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            store.client.set("elsewhere", 1)  # the ACL is real: only our prefix is writable
+    finally:
+        store.client.close()
+
+
+def test_rediss_url_is_passed_through_to_redis_py() -> None:
+    store = LockStore.from_url("rediss://127.0.0.1:6380/0")  # no connection is made yet
+    pool = store.client.connection_pool
+    assert pool.connection_class is SSLConnection
+    store.client.close()
+
+
+@pytest.fixture
+def tasks(celery_app: Celery) -> Iterator[dict[str, Any]]:
+    @celery_app.task(base=LockedTask, lock_key="request_idx", name="sec.process", shared=False)
+    def process(request_idx: int, email: str) -> str:
+        return "ok"
+
+    yield {"process": process}
+    reset_runtime(celery_app)
+
+
+def test_logs_carry_key_and_task_id_never_arguments(
+    tasks: dict[str, Any], celery_worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="celery_lock")
+    secret = "jane.doe@example.com"
+    first = tasks["process"].delay(7, email=secret)
+    first.get(timeout=20)
+    copy = tasks["process"].delay(7, email=secret)
+    deadline = time.monotonic() + 20
+    while copy.state != SKIPPED and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert copy.state == SKIPPED
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("celery_lock")]
+    assert any(copy.id in message and "celery-lock:{sec.process:7}:lock" in message
+               for message in ours)  # fmt: skip
+    assert not [message for message in ours if secret in message]

@@ -1,0 +1,208 @@
+"""Duplicate storms through real prefork workers: each request runs once, never two at a time.
+
+A real ``celery worker -P prefork -c 4`` subprocess runs ``tests/apps/storm_app.py`` against the
+session's redis-server (or the RabbitMQ service for the AMQP storm); every body records its
+monotonic interval, fence and task id, and the test checks the record.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import socket
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, states
+from celery.result import AsyncResult
+
+from celery_lock import SKIPPED
+from celery_lock.testing import CeleryWorker
+
+pytestmark = pytest.mark.worker
+
+REQUESTS = 40
+COPIES = 5
+SETTLE_TIMEOUT = 120
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def producer(make_producer: Callable[..., Celery]) -> Callable[..., Celery]:
+    def make(env: dict[str, str]) -> Celery:
+        return make_producer(env["STORM_BROKER_URL"], env["STORM_BACKEND_URL"],
+                             env.get("STORM_QUEUE", "celery"))  # fmt: skip
+
+    return make
+
+
+@pytest.fixture
+def start_worker(worker_env: dict[str, str], tmp_path: Any) -> Iterator[Any]:
+    workers: list[CeleryWorker] = []
+
+    def start(**env: str) -> CeleryWorker:
+        worker = CeleryWorker(
+            "tests.apps.storm_app",
+            concurrency=4,
+            extra_args=["--without-mingle", "--without-gossip"],
+            env={**worker_env, **env},
+            cwd=ROOT,
+            logfile=tmp_path / f"worker-{len(workers)}.log",
+        )
+        workers.append(worker)
+        worker.start()
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop()
+
+
+def publish_shuffled(app: Celery, jobs: list[tuple[str, int]]) -> list[AsyncResult[Any]]:
+    random.shuffle(jobs)
+    return [app.send_task(name, args=(idx,), task_id=str(uuid.uuid4())) for name, idx in jobs]
+
+
+def settle(results: list[AsyncResult[Any]], timeout: float = SETTLE_TIMEOUT) -> dict[str, int]:
+    """Wait (bounded) until every copy is SUCCESS or SKIPPED; return the state counts."""
+    deadline = time.monotonic() + timeout
+    pending = list(results)
+    while pending:
+        pending = [r for r in pending if r.state not in ("SUCCESS", SKIPPED, "FAILURE")]
+        assert time.monotonic() < deadline, f"{len(pending)} copies unsettled"
+        time.sleep(0.1)
+    counts: dict[str, int] = defaultdict(int)
+    for result in results:
+        counts[result.state] += 1
+    return dict(counts)
+
+
+def recorded_runs(env: dict[str, str]) -> list[dict[str, Any]]:
+    client = redis.Redis.from_url(env["STORM_RECORD_URL"])
+    try:
+        return [json.loads(raw) for raw in client.lrange("storm:runs", 0, -1)]
+    finally:
+        client.close()
+
+
+def assert_no_overlap_and_increasing_fences(runs: list[dict[str, Any]]) -> None:
+    by_request: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for run in runs:
+        by_request[run["request_idx"]].append(run)
+    for idx, request_runs in by_request.items():
+        request_runs.sort(key=lambda run: run["start"])
+        for earlier, later in itertools.pairwise(request_runs):
+            assert later["start"] >= earlier["end"], f"request {idx}: runs overlap"
+            assert later["fence"] > earlier["fence"], f"request {idx}: fence did not increase"
+
+
+def run_storm(app: Celery, env: dict[str, str]) -> None:
+    jobs = [("storm.process", idx) for idx in range(REQUESTS) for _ in range(COPIES)]
+    results = publish_shuffled(app, jobs)
+    counts = settle(results)
+    assert counts == {"SUCCESS": REQUESTS, SKIPPED: REQUESTS * (COPIES - 1)}
+
+    runs = recorded_runs(env)
+    assert sorted(run["request_idx"] for run in runs) == list(range(REQUESTS))
+    assert_no_overlap_and_increasing_fences(runs)
+    executed = {run["task_id"] for run in runs}
+    for result in results:
+        if result.state == SKIPPED:
+            assert result.info["reason"] in ("running", "done")
+            assert result.info["holder"] in executed
+
+    # Copies sent after completion are skipped as done, pointing at the run that did it.
+    late = publish_shuffled(app, [("storm.process", idx) for idx in range(REQUESTS)])
+    assert settle(late) == {SKIPPED: REQUESTS}
+    assert {result.info["reason"] for result in late} == {"done"}
+    assert len(recorded_runs(env)) == REQUESTS
+
+
+def test_duplicate_storm_runs_each_request_once(
+    producer: Callable[..., Celery], start_worker: Any, worker_env: dict[str, str]
+) -> None:
+    start_worker()
+    app = producer(worker_env)
+    run_storm(app, worker_env)
+
+
+def test_stages_sharing_a_scope_never_overlap_and_each_runs_once(
+    producer: Callable[..., Celery], start_worker: Any, worker_env: dict[str, str]
+) -> None:
+    start_worker()
+    app = producer(worker_env)
+    stages = ("storm.pending", "storm.process_stage", "storm.callback")
+    jobs = [(stage, idx) for idx in range(30) for stage in stages for _ in range(3)]
+    results = publish_shuffled(app, jobs)
+    counts = settle(results)
+    assert counts["SUCCESS"] == 30 * len(stages)
+    assert counts[SKIPPED] == 30 * len(stages) * 2
+
+    runs = recorded_runs(worker_env)
+    per_stage: dict[tuple[str, int], int] = defaultdict(int)
+    for run in runs:
+        per_stage[(run["task"], run["request_idx"])] += 1
+    assert set(per_stage.values()) == {1}
+    assert len(per_stage) == 30 * len(stages)
+    assert_no_overlap_and_increasing_fences(runs)
+
+
+def rabbitmq_available() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def rabbitmq() -> str:
+    if not rabbitmq_available():
+        if os.environ.get("CI") == "true":
+            pytest.fail("RabbitMQ is not reachable at 127.0.0.1:5672 and CI=true")
+        pytest.skip("RabbitMQ is not reachable at 127.0.0.1:5672")
+    return RABBITMQ_URL
+
+
+@pytest.mark.amqp
+def test_duplicate_storm_over_rabbitmq(
+    producer: Callable[..., Celery], start_worker: Any, worker_env: dict[str, str], rabbitmq: str
+) -> None:
+    queue = f"celery-lock-storm-{uuid.uuid4().hex[:8]}"
+    env = {**worker_env, "STORM_BROKER_URL": rabbitmq, "STORM_QUEUE": queue}
+    start_worker(STORM_BROKER_URL=rabbitmq, STORM_QUEUE=queue)
+    app = producer(env)
+    try:
+        run_storm(app, env)
+    finally:
+        with app.connection_for_write() as connection:
+            connection.default_channel.queue_delete(queue)
+
+
+def test_long_task_keeps_its_lease_by_heartbeat_in_pool_process(
+    producer: Callable[..., Celery], start_worker: Any, worker_env: dict[str, str]
+) -> None:
+    """A body running 4x its TTL keeps the lease; copies arriving all along are skipped."""
+    start_worker()
+    app = producer(worker_env)
+    first = app.send_task("storm.long", args=(1,))
+    copies = []
+    deadline = time.monotonic() + 60
+    while first.state not in states.READY_STATES:
+        assert time.monotonic() < deadline, f"first copy still {first.state} after 60 s"
+        copies.append(app.send_task("storm.long", args=(1,)))
+        time.sleep(0.4)
+    assert first.state == "SUCCESS", first.info
+    assert len(copies) >= 5
+    assert set(settle(copies).keys()) == {SKIPPED}
+    assert {copy.info["holder"] for copy in copies} == {first.id}
+    assert len(recorded_runs(worker_env)) == 1

@@ -1,0 +1,396 @@
+"""LockedTask's outcomes, run by an in-process worker (celery.contrib.pytest) on a real Redis.
+
+Another holder is simulated by taking the lease with :class:`LockStore` directly, so each test
+controls exactly who holds the request and for how long.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import TestWorkController
+from celery.signals import task_postrun
+
+from celery_lock import (
+    SKIPPED,
+    DuplicateTaskError,
+    LockContendedError,
+    LockedTask,
+    LockKeyError,
+    LockLostError,
+    follow,
+    is_skipped,
+    signals,
+)
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.runtime import reset_runtime
+from celery_lock.store import LockStore
+
+TIMEOUT = 20
+
+
+class Calls:
+    """What the bodies saw, shared between the worker thread and the test."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self.started = threading.Event()
+        self.proceed = threading.Event()
+
+    def count(self, name: str) -> int:
+        return sum(1 for call in self.seen if call["task"] == name)
+
+
+@pytest.fixture
+def calls() -> Calls:
+    return Calls()
+
+
+@pytest.fixture
+def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
+    """The tasks under test, registered before the worker starts."""
+
+    def seen(task: Any, **extra: Any) -> None:
+        calls.seen.append(
+            {
+                "task": task.name,
+                "id": task.request.id,
+                "fence": task.request.lock_fence,
+                "lock_key": task.request.lock_key,
+                "retries": task.request.retries,
+                **extra,
+            }
+        )
+
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.process")
+    def process(self: Any, request_idx: int) -> str:
+        seen(self)
+        return f"processed {request_idx}"
+
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="request_idx", lock_scope="request", name="t.pending"
+    )
+    def pending(self: Any, request_idx: int) -> str:
+        seen(self)
+        return "pending"
+
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="request_idx", lock_scope="request", name="t.stage"
+    )
+    def stage(self: Any, request_idx: int) -> str:
+        seen(self)
+        return "stage"
+
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="request_idx", name="t.flaky", max_retries=3
+    )
+    def flaky(self: Any, request_idx: int) -> str:
+        seen(self)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.1)
+        return "second time lucky"
+
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.boom")
+    def boom(self: Any, request_idx: int) -> None:
+        seen(self)
+        raise RuntimeError("boom")
+
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="request_idx", name="t.slow", lock_ttl=1.2
+    )
+    def slow(self: Any, request_idx: int) -> bool:
+        seen(self)
+        calls.started.set()
+        calls.proceed.wait(TIMEOUT)
+        lost = self.request.lock_lost
+        try:
+            self.check_lock()
+        except LockLostError:
+            return True
+        return lost
+
+    return {t.name.split(".", 1)[1]: t for t in (process, pending, stage, flaky, boom, slow)}
+
+
+@pytest.fixture
+def worker(tasks: dict[str, Any], celery_worker: TestWorkController) -> TestWorkController:
+    return celery_worker
+
+
+@pytest.fixture
+def store(lock_url: str) -> Iterator[LockStore]:
+    store = LockStore.from_url(lock_url)
+    yield store
+    store.client.close()
+
+
+@pytest.fixture(autouse=True)
+def close_lock_runtime(celery_app: Celery) -> Iterator[None]:
+    """Stop the app's heartbeat and close its lock store clients after each test."""
+    yield
+    reset_runtime(celery_app)
+
+
+def hold(
+    store: LockStore, task: Any, request_idx: int, task_id: str, task_name: str | None = None
+) -> Lease:
+    """Take the lease of ``task``'s request as another worker would."""
+    keys = task.request_keys((request_idx,), {})
+    holder = Holder(task_id, task_name or task.name, "elsewhere", 1)
+    token = new_token()
+    outcome = store.acquire(keys, token, 60_000, holder, 60_000)
+    assert isinstance(outcome, Acquired)
+    return Lease(store, keys, token, 60_000, outcome.fence, holder)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def finished() -> Iterator[Callable[[str], threading.Event]]:
+    """``finished(task_id)``: an event set when the worker is done with that task id."""
+    events: dict[str, threading.Event] = {}
+
+    def on_postrun(task_id: str, **_: Any) -> None:
+        events.setdefault(task_id, threading.Event()).set()
+
+    task_postrun.connect(on_postrun, weak=False)
+    yield lambda task_id: events.setdefault(task_id, threading.Event())
+    task_postrun.disconnect(on_postrun)
+
+
+def test_body_runs_with_fence_and_lock_key(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    assert tasks["process"].delay(7).get(timeout=TIMEOUT) == "processed 7"
+    [call] = calls.seen
+    assert call["fence"] == 1
+    assert call["lock_key"] == "celery-lock:{t.process:7}:lock"
+
+
+def test_success_writes_done_marker_and_frees_lock(
+    worker: Any, tasks: dict[str, Any], lock_redis: redis.Redis
+) -> None:
+    result = tasks["process"].delay(7)
+    result.get(timeout=TIMEOUT)
+    keys: RequestKeys = tasks["process"].request_keys((7,), {})
+    assert not lock_redis.exists(keys.lock)
+    assert lock_redis.get(keys.done) == result.id.encode()
+
+
+def test_copy_of_running_request_is_skipped(
+    worker: Any, tasks: dict[str, Any], store: LockStore, calls: Calls
+) -> None:
+    hold(store, tasks["process"], 7, "holder-id")
+    copy = tasks["process"].delay(7)
+    wait_for(lambda: copy.state == SKIPPED)
+    assert copy.info == {
+        "celery_lock": "skipped",
+        "reason": "running",
+        "lock_key": "celery-lock:{t.process:7}:lock",
+        "holder": "holder-id",
+    }
+    assert calls.seen == []
+
+
+def test_copy_of_done_request_is_skipped_and_follows_to_holder(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    first = tasks["process"].delay(7)
+    first.get(timeout=TIMEOUT)
+    copy = tasks["process"].delay(7)
+    assert follow(copy, timeout=TIMEOUT) == "processed 7"
+    assert copy.state == SKIPPED
+    assert copy.info["reason"] == "done"
+    assert copy.info["holder"] == first.id
+    assert calls.count("t.process") == 1
+
+
+def test_redelivery_of_succeeded_message_keeps_success(
+    worker: Any, tasks: dict[str, Any], calls: Calls, finished: Callable[[str], threading.Event]
+) -> None:
+    first = tasks["process"].delay(7)
+    first.get(timeout=TIMEOUT)
+    done = finished(first.id)
+    done.clear()
+    tasks["process"].apply_async((7,), task_id=first.id)  # the broker delivers it again
+    assert done.wait(TIMEOUT)
+    assert first.state == "SUCCESS"
+    assert first.result == "processed 7"
+    assert calls.count("t.process") == 1
+
+
+def test_redelivered_copy_of_running_message_is_deferred_until_holder_ends(
+    worker: Any, tasks: dict[str, Any], store: LockStore, calls: Calls, lock_redis: redis.Redis
+) -> None:
+    deferred: list[dict[str, Any]] = []
+
+    def on_deferred(sender: Any, **kwargs: Any) -> None:
+        deferred.append(kwargs)
+
+    signals.lock_deferred.connect(on_deferred, weak=False)
+    try:
+        lease = hold(store, tasks["process"], 7, "same-id")
+        lock_redis.pexpire(lease.keys.lock, 3000)  # its holder died: the lease lapses by TTL
+        result = tasks["process"].apply_async((7,), task_id="same-id")
+        assert result.get(timeout=TIMEOUT) == "processed 7"
+    finally:
+        signals.lock_deferred.disconnect(on_deferred)
+    assert deferred
+    assert {d["reason"] for d in deferred} == {"redelivered"}
+    [call] = calls.seen
+    assert call["retries"] == 0  # deferring does not use up max_retries
+    assert call["fence"] == 2
+
+
+def test_contention_with_another_stage_is_deferred_not_skipped(
+    worker: Any, tasks: dict[str, Any], store: LockStore, calls: Calls
+) -> None:
+    lease = hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
+    result = tasks["stage"].delay(7)
+    wait_for(lambda: result.state == "RETRY")
+    assert calls.seen == []
+    store.release(lease, success=False, done_ttl_ms=60_000)
+    assert result.get(timeout=TIMEOUT) == "stage"
+    assert calls.seen[0]["retries"] == 0
+
+
+def test_stage_done_marker_does_not_skip_next_stage(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    assert tasks["pending"].delay(7).get(timeout=TIMEOUT) == "pending"
+    assert tasks["stage"].delay(7).get(timeout=TIMEOUT) == "stage"
+    assert [call["fence"] for call in calls.seen] == [1, 2]  # one fence per scope
+
+
+@pytest.mark.parametrize("policy", ["retry", "raise"])
+def test_duplicate_policy(
+    policy: str,
+    celery_app: Celery,
+    worker: Any,
+    tasks: dict[str, Any],
+    store: LockStore,
+    calls: Calls,
+) -> None:
+    celery_app.conf.celery_lock_on_duplicate = policy
+    lease = hold(store, tasks["process"], 7, "holder-id")
+    result = tasks["process"].delay(7)
+    if policy == "raise":
+        with pytest.raises(DuplicateTaskError, match="holder-id"):
+            result.get(timeout=TIMEOUT)
+        return
+    wait_for(lambda: result.state == "RETRY")
+    store.release(lease, success=False, done_ttl_ms=60_000)
+    assert result.get(timeout=TIMEOUT) == "processed 7"
+    assert calls.count("t.process") == 1
+
+
+def test_skip_as_success_returns_marker_for_canvas(
+    celery_app: Celery, worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    celery_app.conf.celery_lock_skip_as_success = True
+    hold(store, tasks["process"], 7, "holder-id")
+    value = tasks["process"].delay(7).get(timeout=TIMEOUT)
+    assert is_skipped(value)
+    assert value["holder"] == "holder-id"
+
+
+def test_self_retry_releases_without_done_marker(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    assert tasks["flaky"].delay(7).get(timeout=TIMEOUT) == "second time lucky"
+    assert [call["retries"] for call in calls.seen] == [0, 1]
+    assert [call["fence"] for call in calls.seen] == [1, 2]
+
+
+def test_failure_releases_without_done_marker(
+    worker: Any, tasks: dict[str, Any], lock_redis: redis.Redis
+) -> None:
+    with pytest.raises(RuntimeError):
+        tasks["boom"].delay(7).get(timeout=TIMEOUT)
+    keys = tasks["boom"].request_keys((7,), {})
+    assert not lock_redis.exists(keys.lock)
+    assert not lock_redis.exists(keys.done)
+
+
+def test_heartbeat_keeps_lease_of_long_task(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    result = tasks["slow"].delay(7)
+    assert calls.started.wait(TIMEOUT)
+    keys = tasks["slow"].request_keys((7,), {})
+    deadline = time.monotonic() + 3 * 1.2  # three TTLs
+    while time.monotonic() < deadline:
+        assert lock_redis.pttl(keys.lock) > 0
+        time.sleep(0.05)
+    calls.proceed.set()
+    assert result.get(timeout=TIMEOUT) is False
+
+
+def test_lost_lease_is_reported_to_body_and_signal(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    lost: list[str] = []
+    signals.lock_lost.connect(lambda sender, lock_key, **_: lost.append(lock_key), weak=False)
+    result = tasks["slow"].delay(7)
+    assert calls.started.wait(TIMEOUT)
+    keys = tasks["slow"].request_keys((7,), {})
+    lock_redis.hset(keys.lock, "token", "someone-else")  # the lease is taken over
+    wait_for(lambda: bool(lost))
+    calls.proceed.set()
+    assert result.get(timeout=TIMEOUT) is True
+    assert lost == [keys.lock]
+    assert not lock_redis.exists(keys.done)
+
+
+def test_signals_acquired_and_released(worker: Any, tasks: dict[str, Any]) -> None:
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    def on_acquired(sender: Any, **kwargs: Any) -> None:
+        sent.append(("acquired", kwargs))
+
+    def on_released(sender: Any, **kwargs: Any) -> None:
+        sent.append(("released", kwargs))
+
+    signals.lock_acquired.connect(on_acquired, weak=False)
+    signals.lock_released.connect(on_released, weak=False)
+    try:
+        tasks["process"].delay(7).get(timeout=TIMEOUT)
+    finally:
+        signals.lock_acquired.disconnect(on_acquired)
+        signals.lock_released.disconnect(on_released)
+    assert [name for name, _ in sent] == ["acquired", "released"]
+    assert sent[0][1]["fence"] == 1
+    assert sent[1][1]["success"] is True
+
+
+def test_eager_call_is_locked(celery_app: Celery, tasks: dict[str, Any], store: LockStore) -> None:
+    assert tasks["process"].apply((7,)).get() == "processed 7"
+    assert tasks["process"].apply((7,)).state == "IGNORED"  # done
+
+
+def test_direct_call_of_held_request_raises(tasks: dict[str, Any], store: LockStore) -> None:
+    hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
+    with pytest.raises(LockContendedError, match="pending-id"):
+        tasks["stage"](7)
+
+
+def test_message_without_key_argument_fails_and_never_runs_unlocked(
+    celery_app: Celery, worker: Any, calls: Calls
+) -> None:
+    # send_task skips the publish-time check: the worker refuses to run the body.
+    result = celery_app.send_task("t.process", kwargs={"other": 1})
+    with pytest.raises(LockKeyError, match="request_idx"):
+        result.get(timeout=TIMEOUT)
+    assert calls.seen == []

@@ -1,0 +1,92 @@
+"""Worker command-line options, through a real ``celery worker`` subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_lock import SKIPPED
+from celery_lock.testing import CeleryWorker
+
+pytestmark = pytest.mark.worker
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = "tests.apps.storm_app"
+
+
+def celery(
+    *args: str, env: dict[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP, *args],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def worker(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
+    started: list[CeleryWorker] = []
+
+    def start(*options: str) -> CeleryWorker:
+        w = CeleryWorker(APP, concurrency=2, cwd=ROOT, env=worker_env,
+                         extra_args=["--without-mingle", "--without-gossip", *options],
+                         logfile=tmp_path / "worker.log")  # fmt: skip
+        started.append(w)
+        w.start()
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def test_worker_help_lists_lock_options(worker_env: dict[str, str]) -> None:
+    out = celery("worker", "--help", env={**os.environ, **worker_env}).stdout
+    for option in ("--lock-redis-url", "--lock-ttl", "--lock-on-duplicate"):
+        assert option in out
+
+
+def test_worker_refuses_to_start_with_malformed_lock_url(worker_env: dict[str, str]) -> None:
+    done = celery("worker", "--lock-redis-url", "http://nope", "--pool", "solo",
+                  env={**os.environ, **worker_env})  # fmt: skip
+    assert done.returncode != 0
+    assert "--lock-redis-url" in done.stderr + done.stdout
+    assert "redis://" in done.stderr + done.stdout
+
+
+def test_lock_on_duplicate_option_overrides_conf(
+    make_producer: Callable[..., Celery], worker: Any, worker_env: dict[str, str]
+) -> None:
+    """With --lock-on-duplicate raise, a copy of a running request fails instead of skipping."""
+    worker("--lock-on-duplicate", "raise", "--lock-ttl", "7")
+    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
+    locks = redis.Redis.from_url(worker_env["STORM_LOCK_URL"])
+    # Hold request 5 as another copy would, then send a copy.
+    locks.hset("celery-lock:{storm.process:5}:lock",
+               mapping={"token": "t", "task_id": "holder", "task": "storm.process"})  # fmt: skip
+    locks.pexpire("celery-lock:{storm.process:5}:lock", 60_000)
+    result = app.send_task("storm.process", args=(5,))
+    deadline = time.monotonic() + 30
+    while result.state not in ("FAILURE", "SUCCESS", SKIPPED):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert result.state == "FAILURE"
+    assert "already running as task holder" in str(result.result)
+
+    # --lock-ttl 7 applies to the leases this worker takes.
+    app.send_task("storm.process", args=(6,)).get(timeout=30)
+    records = redis.Redis.from_url(worker_env["STORM_RECORD_URL"])
+    [run] = [json.loads(raw) for raw in records.lrange("storm:runs", 0, -1)]
+    assert run["ttl"] == 7.0
+    records.close()
+    locks.close()
