@@ -404,13 +404,10 @@ def store_worker(store_env: dict[str, str], tmp_path: Path) -> Iterator[Callable
         worker.stop()
 
 
-def producer(env: dict[str, str]) -> Celery:
-    return Celery(
-        "store-producer",
-        broker=env["STORE_BROKER_URL"],
-        backend=env["STORE_BACKEND_URL"],
-        set_as_current=False,
-    )
+@pytest.fixture
+def producer(make_producer: Callable[..., Celery], store_env: dict[str, str]) -> Celery:
+    """A producer app on the store tests' broker, closed (pub/sub socket too) after the test."""
+    return make_producer(store_env["STORE_BROKER_URL"], store_env["STORE_BACKEND_URL"])
 
 
 def recorded(env: dict[str, str], key: str) -> list[dict[str, Any]]:
@@ -433,12 +430,12 @@ def settle(results: list[AsyncResult[Any]], timeout: float = 30.0) -> Counter[st
 
 @pytest.mark.worker
 def test_store_down_defers_in_prefork_worker_then_each_request_runs_once(
-    lock_server: RedisServer, store_worker: Any, store_env: dict[str, str]
+    lock_server: RedisServer, store_worker: Any, store_env: dict[str, str], producer: Celery
 ) -> None:
     """Lock store stopped: nothing runs, every copy is deferred; started again on the same
     port: each request runs exactly once, its duplicate is skipped."""
     worker = store_worker()
-    app = producer(store_env)
+    app = producer
     assert app.send_task("store.work", args=(-1,)).get(timeout=TIMEOUT) == -1
 
     lock_server.stop()
@@ -554,10 +551,10 @@ def test_store_down_mid_run_loses_lease_after_ttl_and_task_still_succeeds(
 
 @pytest.mark.worker
 def test_store_down_mid_run_in_prefork_worker_nothing_crashes(
-    lock_server: RedisServer, store_worker: Any, store_env: dict[str, str]
+    lock_server: RedisServer, store_worker: Any, store_env: dict[str, str], producer: Celery
 ) -> None:
     worker = store_worker(STORE_LOCK_TTL="1")
-    app = producer(store_env)
+    app = producer
     children = worker.child_pids()
     admin = lock_server.client()
     result = app.send_task("store.work", args=(1,), kwargs={"seconds": 3.0})
