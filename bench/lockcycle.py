@@ -117,21 +117,9 @@ def _bare_scripts(store: LockStore, stack: ExitStack) -> Cycle:
     def cycle(n: int) -> None:
         keys = RequestKeys.build("bench", "bare", str(n), "bench.cycle")
         token = new_token()
-        client.evalsha(
-            acquire,
-            3,
-            keys.lock,
-            keys.fence,
-            keys.done,
-            token,
-            TTL_MS,
-            holder.task_id,
-            holder.task_name,
-            holder.host,
-            holder.pid,
-            DONE_TTL_MS,
-            int(time.time() * 1000),
-        )
+        described = holder.describe(int(time.time() * 1000))
+        client.evalsha(acquire, 3, keys.lock, keys.fence, keys.done, token, TTL_MS, described,
+                       DONE_TTL_MS)  # fmt: skip
         client.evalsha(
             release, 2, keys.lock, keys.done, token, DONE_TTL_MS, "success", holder.task_id
         )
@@ -249,7 +237,7 @@ def server_time_per_cycle(url: str, cycles: int = 2000) -> dict[str, float]:
     """Microseconds the *server* spends per cycle (``INFO commandstats``): floor vs celery-lock.
 
     Tells the scripts' own work apart from the client's: the floor runs a SET and a two-command
-    script, celery-lock's acquire script runs seven commands and its release script three.
+    script, celery-lock's acquire script runs five commands and its release script three.
     """
     store = LockStore.from_url(url)
     client = store.client

@@ -17,6 +17,7 @@ PACKAGES = (
     "billiard",
     "redis",
     "tenacity",
+    "hiredis",
     "python-redis-lock",
     "pottery",
     "celery-once",

@@ -28,6 +28,7 @@ from celery import Celery
 
 from .config import LockSettings
 from .exceptions import ConfigurationError
+from .lease import decode_lock
 from .runtime import lock_store_url
 
 __all__ = ["LeaseInfo", "lock"]
@@ -46,6 +47,10 @@ class LeaseInfo:
     age_s: float | None
     ttl_left_s: float
     fence: int | None
+
+
+def _ttl_left(pttl: Any) -> float:
+    return round(pttl / 1000, 3) if isinstance(pttl, int) and pttl >= 0 else -1.0
 
 
 def _text(value: Any) -> str:
@@ -76,25 +81,30 @@ class LockAdmin:
         """Read the leases under ``keys`` in one pipelined round trip per batch."""
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
-            pipe.hgetall(key)
+            pipe.get(key)
             pipe.pttl(key)
-        replies = pipe.execute()
+        replies = pipe.execute(raise_on_error=False)
         now_ms = time.time() * 1000
         found = []
-        for key, fields, pttl in zip(keys, replies[::2], replies[1::2], strict=True):
-            if not fields or pttl == -2:
+        for key, value, pttl in zip(keys, replies[::2], replies[1::2], strict=True):
+            if value is None or pttl == -2:
                 continue  # released between SCAN and read
-            lease = {_text(k): _text(v) for k, v in fields.items()}
-            since = lease.get("since")
+            try:
+                entry = decode_lock(value)
+            except (ValueError, KeyError, TypeError, redis.ResponseError):
+                # Not a lock celery-lock wrote: listed, so that it can be found and released.
+                found.append(LeaseInfo(key, "?", "?", "?", None, _ttl_left(pttl), None))
+                continue
+            holder = entry.holder
             found.append(
                 LeaseInfo(
                     key=key,
-                    task_id=lease.get("task_id", ""),
-                    task=lease.get("task", ""),
-                    worker=f"{lease.get('host', '?')}:{lease.get('pid', '?')}",
-                    age_s=round((now_ms - float(since)) / 1000, 3) if since else None,
-                    ttl_left_s=round(pttl / 1000, 3) if pttl >= 0 else -1.0,
-                    fence=int(lease["fence"]) if lease.get("fence", "").isdigit() else None,
+                    task_id=holder.task_id,
+                    task=holder.task_name,
+                    worker=f"{holder.host}:{holder.pid}",
+                    age_s=round((now_ms - entry.since_ms) / 1000, 3) if entry.since_ms else None,
+                    ttl_left_s=_ttl_left(pttl),
+                    fence=entry.fence,
                 )
             )
         return found

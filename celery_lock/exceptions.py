@@ -91,9 +91,9 @@ class LockStoreUnavailableError(LockStoreError):
 
 
 class LockStateError(LockStoreError):
-    """A key of the request holds a value celery-lock did not write: the lock is not a hash
-    (or a hash with no owner or no TTL), the fence counter is not an integer, the done-marker
-    is not a string.
+    """A key of the request holds a value celery-lock did not write: the lock is not a string
+    of the form celery-lock writes (or has no TTL), the fence counter is not an integer, the
+    done-marker is not a string.
 
     Trying again cannot help, and running unlocked is not safe: a task meeting one fails
     (even with ``celery_lock_fail_open``). Delete or repair the key named by ``key``.

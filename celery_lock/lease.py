@@ -7,6 +7,7 @@ A grant is a :class:`Lease` (token, fence, TTL, holder); the other outcomes are 
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from collections.abc import Callable
@@ -19,7 +20,18 @@ from .keys import RequestKeys
 if TYPE_CHECKING:
     from .store import LockStore
 
-__all__ = ["Acquired", "Done", "Held", "Holder", "Lease", "Outcome", "new_token"]
+__all__ = [
+    "Acquired",
+    "Done",
+    "Held",
+    "Holder",
+    "Lease",
+    "LockEntry",
+    "Outcome",
+    "decode_lock",
+    "encode_lock",
+    "new_token",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +50,60 @@ class Holder:
     task_name: str
     host: str
     pid: int
+
+    def describe(self, since_ms: int) -> str:
+        """The holder as the lock records it: JSON, read by Python only (``celery lock``, a
+        copy that finds the lease held)."""
+        # Default separators: json.dumps then reuses its cached encoder (custom ones build a
+        # new encoder per call, which is most of the cost).
+        return json.dumps(
+            {
+                "task_id": self.task_id,
+                "task": self.task_name,
+                "host": self.host,
+                "pid": self.pid,
+                "since": since_ms,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class LockEntry:
+    """A lock as stored in Redis, without its token: who holds it, with which fence."""
+
+    fence: int
+    holder: Holder
+    #: When the lease was granted, ms since the epoch by the acquiring worker's clock.
+    since_ms: int
+
+
+def encode_lock(token: str, fence: int, holder: Holder, since_ms: int) -> str:
+    """The lock's value: ``"<token> <fence> <holder JSON>"``, as the acquire script writes it
+    (token first: the scripts compare it by prefix; fence second: they read it as a number)."""
+    return f"{token} {fence} {holder.describe(since_ms)}"
+
+
+def decode_lock(value: str | bytes, *, with_token: bool = True) -> LockEntry:
+    """Parse a lock's value (or, ``with_token=False``, the ``"<fence> <holder>"`` rest of it that
+    the acquire script returns for a held lease).
+
+    Raises:
+        ValueError: the value is not a lock celery-lock wrote.
+    """
+    text = value.decode() if isinstance(value, bytes) else value
+    if with_token:
+        text = text.partition(" ")[2]
+    fence, _, described = text.partition(" ")
+    fields = json.loads(described)
+    if not isinstance(fields, dict):
+        raise ValueError(f"not a lock: {text[:60]!r}")
+    holder = Holder(
+        task_id=str(fields["task_id"]),
+        task_name=str(fields["task"]),
+        host=str(fields.get("host", "")),
+        pid=int(fields.get("pid", 0)),
+    )
+    return LockEntry(fence=int(fence), holder=holder, since_ms=int(fields.get("since", 0)))
 
 
 @dataclass(frozen=True)

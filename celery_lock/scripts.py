@@ -4,8 +4,12 @@ Each script touches only the keys of one request, which share a hash tag, so eve
 unchanged on Redis Cluster. Each is one ``EVALSHA`` round trip; :class:`Scripts` registers them
 once per client (redis-py's ``Script`` reloads one transparently after ``NOSCRIPT``).
 
-The lock is a hash: ``token``, ``task_id``, ``task``, ``host``, ``pid``, ``fence``, ``since`` (ms
-since the epoch, by the acquiring worker's clock).
+The lock is a string, ``"<token> <fence> <holder>"``: the token first, so the scripts compare it
+by prefix; the fence second, so they read it without decoding anything; then the holder as JSON
+(task id, task name, host, pid, ``since``), which only Python reads
+(:func:`celery_lock.lease.encode_lock` / :func:`celery_lock.lease.decode_lock`). A string, not a
+hash: a Lua call on the server costs about a microsecond per field written, and the grant path is
+the cost of every task.
 """
 
 from __future__ import annotations
@@ -17,42 +21,38 @@ from redis.commands.core import Script
 
 __all__ = ["ACQUIRE", "EXTEND", "RELEASE", "Scripts"]
 
-# KEYS[1] - lock (hash)
+# KEYS[1] - lock (string "<token> <fence> <holder>")
 # KEYS[2] - fence counter
 # KEYS[3] - done-marker of this task name
 # ARGV[1] - token
 # ARGV[2] - lease TTL in milliseconds
-# ARGV[3] - holder task id
-# ARGV[4] - holder task name
-# ARGV[5] - holder host
-# ARGV[6] - holder pid
-# ARGV[7] - fence counter TTL in milliseconds
-# ARGV[8] - when the lease starts, ms since the epoch (the caller's clock: shown by `celery lock`;
-#           not read from TIME, so a user allowed only @read/@write/@scripting can run this)
-# return {"done", <task id that completed it>}
-#      | {"held", <holder task id>, <holder task name>, <pttl>}
-#      | {"acquired", <fence>}
+# ARGV[3] - holder, JSON (task id, task name, host, pid, since: ms since the epoch by the caller's
+#           clock, shown by `celery lock`; not read from TIME, so a user allowed only
+#           @read/@write/@scripting can run this)
+# ARGV[4] - fence counter TTL in milliseconds
+# return <fence>                              -- granted (an integer reply)
+#      | {"done", <task id that completed it>}
+#      | {"held", "<fence> <holder>", <pttl>}  -- the holder's token is never returned
 # Re-entrant: the same token is granted again (its TTL reset, fence unchanged), so an acquire
 # retried after a lost reply does not report HELD against itself.
 ACQUIRE = """
-local done = redis.call('GET', KEYS[3])
-if done then
+local done = redis.call('GET', KEYS[3])  -- GET, not MGET: MGET reads a key of another type
+if done then                             -- as nil, and garbage must not pass for "free"
     return {'done', done}
 end
-local owner = redis.call('HMGET', KEYS[1], 'token', 'task_id', 'task', 'fence')
-if owner[1] == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return {'acquired', owner[4]}
-end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-    return {'held', owner[2] or '', owner[3] or '', redis.call('PTTL', KEYS[1])}
+local lock = redis.call('GET', KEYS[1])
+if lock then
+    local mine = ARGV[1] .. ' '
+    if string.sub(lock, 1, #mine) == mine then
+        redis.call('PEXPIRE', KEYS[1], ARGV[2])
+        return tonumber(string.match(lock, '^%S+ (%d+)'))
+    end
+    return {'held', string.match(lock, '^%S* (.*)$') or lock, redis.call('PTTL', KEYS[1])}
 end
 local fence = redis.call('INCR', KEYS[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[7])
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'task', ARGV[4],
-           'host', ARGV[5], 'pid', ARGV[6], 'fence', fence, 'since', ARGV[8])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {'acquired', fence}
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[3], 'PX', ARGV[2])
+return fence
 """
 
 # KEYS[1] - lock
@@ -60,7 +60,9 @@ return {'acquired', fence}
 # ARGV[2] - lease TTL in milliseconds (set, not added)
 # return 1 if the token still owns the lock and its TTL was reset, 0 if the lease is lost
 EXTEND = """
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+local lock = redis.call('GET', KEYS[1])
+local mine = ARGV[1] .. ' '
+if lock and string.sub(lock, 1, #mine) == mine then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return 1
 end
@@ -75,7 +77,9 @@ return 0
 # ARGV[4] - task id to record in the done-marker
 # return 1 if the token owned the lock (now deleted), 0 if the lease had been lost
 RELEASE = """
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+local lock = redis.call('GET', KEYS[1])
+local mine = ARGV[1] .. ' '
+if lock and string.sub(lock, 1, #mine) == mine then
     redis.call('DEL', KEYS[1])
     if ARGV[3] == 'success' then
         redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[2])

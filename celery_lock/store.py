@@ -8,8 +8,9 @@ tenacity (bounded, jittered) before raising an error:
   kept refusing for now (connection errors, timeouts, ``LOADING``, ``READONLY``, ``OOM``,
   ``BUSY``, ``MASTERDOWN``, ``TRYAGAIN``, ``CLUSTERDOWN``, ``NOREPLICAS``): worth trying later;
 - :class:`~celery_lock.exceptions.LockStateError` when a key of the request holds something
-  celery-lock did not write (``WRONGTYPE``, a fence that is not an integer, a lock hash with no
-  owner or no TTL): trying again cannot help; the message names the key and what it holds;
+  celery-lock did not write (``WRONGTYPE``, a fence that is not an integer, a lock that is not
+  ``"<token> <fence> <holder>"`` or has no TTL): trying again cannot help; the message names
+  the key and what it holds;
 - :class:`~celery_lock.exceptions.LockStoreError` for any other error reply (``NOPERM``, an
   unknown command): not transient either.
 
@@ -53,7 +54,7 @@ from tenacity import (
 
 from .exceptions import LockStateError, LockStoreError, LockStoreUnavailableError
 from .keys import RequestKeys
-from .lease import Acquired, Done, Held, Holder, Lease, Outcome
+from .lease import Acquired, Done, Held, Holder, Lease, Outcome, decode_lock
 from .scripts import Scripts
 
 __all__ = [
@@ -304,7 +305,7 @@ class LockStore:
     def diagnose(self, roles: dict[str, str]) -> tuple[str, str] | None:
         """The first key (of ``roles``: role -> key) holding a value celery-lock did not write,
         and what it holds; ``None`` if all look right (or the store cannot be asked)."""
-        expected = {"lock": "hash", "fence": "string", "done": "string"}
+        expected = {"lock": "string", "fence": "string", "done": "string"}
         try:
             for role, key in roles.items():
                 kind = _text(self.client.type(key))
@@ -334,16 +335,7 @@ class LockStore:
             LockStateError: a key of the request holds something celery-lock did not write.
             LockStoreError: any other error reply.
         """
-        args = [
-            token,
-            ttl_ms,
-            holder.task_id,
-            holder.task_name,
-            holder.host,
-            holder.pid,
-            fence_ttl_ms,
-            int(_time() * 1000),
-        ]
+        args = (token, ttl_ms, holder.describe(int(_time() * 1000)), fence_ttl_ms)
         roles = {"lock": keys.lock, "fence": keys.fence, "done": keys.done}
         reply = self._call(
             "acquire",
@@ -449,17 +441,22 @@ def _text(value: Any) -> str:
 
 
 def _parse_acquire(reply: Any, lock_name: str) -> Outcome:
+    if isinstance(reply, int):
+        return Acquired(fence=reply)
     try:
         kind = _text(reply[0])
-        if kind == "acquired":
-            return Acquired(fence=int(reply[1]))
         if kind == "held":
-            held = Held(task_id=_text(reply[1]), task_name=_text(reply[2]), pttl_ms=int(reply[3]))
+            entry = decode_lock(reply[1], with_token=False)
+            held = Held(
+                task_id=entry.holder.task_id,
+                task_name=entry.holder.task_name,
+                pttl_ms=int(reply[2]),
+            )
             if not held.task_name or held.pttl_ms < 0:
                 # Every lock celery-lock writes names its task and has a TTL: this one would
                 # block the request for ever.
                 raise LockStateError(
-                    f"{lock_name} holds a hash celery-lock did not write "
+                    f"{lock_name} holds a lock celery-lock did not write "
                     f"(task {held.task_name!r}, TTL {held.pttl_ms} ms): delete it",
                     lock_name=lock_name,
                     key=lock_name,
@@ -467,8 +464,11 @@ def _parse_acquire(reply: Any, lock_name: str) -> Outcome:
             return held
         if kind == "done":
             return Done(task_id=_text(reply[1]))
-    except (IndexError, TypeError, ValueError):
+    except (IndexError, KeyError, TypeError, ValueError):
         pass
     raise LockStateError(
-        f"unexpected reply from the acquire script: {reply!r}", lock_name=lock_name
+        f"{lock_name} holds something celery-lock did not write "
+        f"(the acquire script answered {reply!r}): delete it",
+        lock_name=lock_name,
+        key=lock_name,
     )

@@ -26,6 +26,7 @@ from conftest import close_producer
 
 from celery_lock.fencing import FencedValue, fenced_get, fenced_set
 from celery_lock.keys import RequestKeys
+from celery_lock.lease import Holder, encode_lock
 from celery_lock.testing import CeleryWorker
 
 pytestmark = pytest.mark.worker
@@ -208,15 +209,16 @@ def test_overwritten_lease_is_found_lost_and_the_old_holders_write_rejected(
         assert keys.lock == lock_key
         # Someone else takes the lease: a new token and the next fence, as a grant would.
         fence = int(locks.incr(keys.fence))
-        locks.hset(lock_key, mapping={"token": "intruder", "task_id": "intruder", "fence": fence})
-        locks.pexpire(lock_key, 60_000)  # outlives the old holder: its release must leave it be
+        intruder = Holder(task_id="intruder", task_name=TASK, host="elsewhere", pid=1)
+        # Outlives the old holder: its release must leave it be.
+        locks.set(lock_key, encode_lock("intruder", fence, intruder, 0), px=60_000)
         overwritten = time.monotonic()
         assert fenced_set(records, "lost:sink:8", "from-intruder", fence)
         records.set(f"lost:go:{stale.id}", 1)
         lost = assert_holder_saw_the_loss_and_was_fenced_off(records, tap, worker, stale, lock_key)
 
     assert fence > started["fence"]
-    assert locks.hget(lock_key, "token") == b"intruder"
+    assert locks.get(lock_key).startswith(b"intruder ")
     assert fenced_get(records, "lost:sink:8") == FencedValue(b"from-intruder", fence)
     detected_after = lost["at"] - overwritten
     assert 0 <= detected_after < INTERVAL + 0.5

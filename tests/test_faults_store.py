@@ -52,7 +52,7 @@ from celery_lock import (
 )
 from celery_lock.heartbeat import Heartbeat
 from celery_lock.keys import RequestKeys
-from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.lease import Acquired, Holder, Lease, encode_lock, new_token
 from celery_lock.runtime import reset_runtime
 from celery_lock.scripts import RELEASE
 from celery_lock.store import LockStore
@@ -592,7 +592,7 @@ def test_acquire_whose_reply_is_lost_is_granted_on_retry(
         store.client.close()
     assert proxy.dropped == 1
     assert (command_calls(admin) - before)["evalsha"] == 2  # it ran twice: once unanswered
-    assert admin.hget(KEYS.lock, "token") == token.encode()
+    assert admin.get(KEYS.lock).startswith(f"{token} 1 ".encode())
     assert admin.get(KEYS.fence) == b"1"  # one grant, one fence
 
 
@@ -725,15 +725,17 @@ def test_run_id_check_costs_no_round_trip_per_task(store: LockStore, admin: redi
 GARBAGE: dict[str, Callable[[redis.Redis, RequestKeys], Any]] = {
     "lock-string": lambda r, k: r.set(k.lock, "garbage"),
     "lock-list": lambda r, k: r.rpush(k.lock, "a", "b"),
-    "lock-hash-no-ttl": lambda r, k: r.hset(k.lock, "owner", "someone"),
+    "lock-hash": lambda r, k: r.hset(k.lock, "owner", "someone"),
+    "lock-no-ttl": lambda r, k: r.set(k.lock, encode_lock("someone", 1, HOLDER, 0)),
     "fence-abc": lambda r, k: r.set(k.fence, "abc"),
     "fence-at-max": lambda r, k: r.set(k.fence, str(2**63 - 1)),
     "done-hash": lambda r, k: r.hset(k.done, "task", "x"),
 }
 EXPECTED = {
-    "lock-string": ("lock", "holds a string, expected a hash"),
-    "lock-list": ("lock", "holds a list, expected a hash"),
-    "lock-hash-no-ttl": ("lock", "holds a hash celery-lock did not write"),
+    "lock-string": ("lock", "holds something celery-lock did not write"),
+    "lock-list": ("lock", "holds a list, expected a string"),
+    "lock-hash": ("lock", "holds a hash, expected a string"),
+    "lock-no-ttl": ("lock", r"did not write \(task 'shop.process', TTL -1"),
     "fence-abc": ("fence", "holds 'abc', expected a fence counter"),
     "fence-at-max": ("fence", "expected a fence counter"),
     "done-hash": ("done", "holds a hash, expected a string"),
@@ -788,7 +790,7 @@ def test_garbage_mid_run_loses_the_lease_and_the_task_succeeds(
     assert result.get(timeout=TIMEOUT) is True
     assert logs.messages(logging.ERROR, "cannot extend the lease")
     [failed] = logs.messages(logging.ERROR, "release of")
-    assert "holds a list, expected a hash" in failed
+    assert "holds a list, expected a string" in failed
     assert admin.lrange(keys.lock, 0, -1) == [b"garbage"]  # left alone
 
 
@@ -862,5 +864,5 @@ def test_tasks_in_one_process_draw_a_new_token_per_acquisition(
     for idx in range(50):
         keys = RequestKeys.build("celery-lock", "s", str(idx), "s")
         acquire(store, new_token(), keys)
-        seen.add(admin.hget(keys.lock, "token"))
+        seen.add(admin.get(keys.lock).split(b" ")[0])
     assert len(seen) == 50

@@ -7,7 +7,7 @@ from collections import Counter
 import redis
 
 from celery_lock.keys import RequestKeys
-from celery_lock.lease import Acquired, Done, Held, Holder, Lease, new_token
+from celery_lock.lease import Acquired, Done, Held, Holder, Lease, decode_lock, new_token
 from celery_lock.store import LockStore
 
 HOLDER = Holder(task_id="task-1", task_name="shop.process", host="host-a", pid=101)
@@ -34,9 +34,9 @@ def lease_for(store: LockStore, token: str, fence: int, holder: Holder = HOLDER)
 def test_first_acquire_is_granted_with_fence_one(lock_url: str, lock_redis: redis.Redis) -> None:
     store = LockStore.from_url(lock_url)
     assert acquire(store, new_token()) == Acquired(fence=1)
-    lock = lock_redis.hgetall(KEYS.lock)
-    assert lock[b"task_id"] == b"task-1"
-    assert lock[b"host"] == b"host-a"
+    lock = decode_lock(lock_redis.get(KEYS.lock))
+    assert lock.fence == 1
+    assert lock.holder == HOLDER
     assert 0 < lock_redis.pttl(KEYS.lock) <= TTL_MS
     assert 0 < lock_redis.pttl(KEYS.fence) <= FENCE_TTL_MS
 
@@ -98,7 +98,7 @@ def test_release_by_a_stale_token_changes_nothing(lock_url: str, lock_redis: red
     acquire(store, new_token())
     stale = lease_for(store, new_token(), 1)
     assert store.release(stale, success=True, done_ttl_ms=30_000) is False
-    assert lock_redis.hget(KEYS.lock, "task_id") == b"task-1"
+    assert decode_lock(lock_redis.get(KEYS.lock)).holder.task_id == "task-1"
     assert not lock_redis.exists(KEYS.done)
 
 

@@ -346,7 +346,7 @@ def test_lost_lease_is_reported_to_body_and_signal(
     result = tasks["slow"].delay(7)
     assert calls.started.wait(TIMEOUT)
     keys = tasks["slow"].request_keys((7,), {})
-    lock_redis.hset(keys.lock, "token", "someone-else")  # the lease is taken over
+    lock_redis.set(keys.lock, "someone-else 99 {}", keepttl=True)  # the lease is taken over
     wait_for(lambda: bool(lost))
     calls.proceed.set()
     assert result.get(timeout=TIMEOUT) is True

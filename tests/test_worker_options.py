@@ -16,6 +16,7 @@ import redis
 from celery import Celery
 
 from celery_lock import SKIPPED
+from celery_lock.lease import Holder, encode_lock
 from celery_lock.testing import CeleryWorker
 
 pytestmark = pytest.mark.worker
@@ -72,9 +73,8 @@ def test_lock_on_duplicate_option_overrides_conf(
     app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
     locks = redis.Redis.from_url(worker_env["STORM_LOCK_URL"])
     # Hold request 5 as another copy would, then send a copy.
-    locks.hset("celery-lock:{storm.process:5}:lock",
-               mapping={"token": "t", "task_id": "holder", "task": "storm.process"})  # fmt: skip
-    locks.pexpire("celery-lock:{storm.process:5}:lock", 60_000)
+    holder = Holder(task_id="holder", task_name="storm.process", host="elsewhere", pid=1)
+    locks.set("celery-lock:{storm.process:5}:lock", encode_lock("t", 1, holder, 0), px=60_000)
     result = app.send_task("storm.process", args=(5,))
     deadline = time.monotonic() + 30
     while result.state not in ("FAILURE", "SUCCESS", SKIPPED):
