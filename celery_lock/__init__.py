@@ -19,6 +19,7 @@ from .exceptions import (
     LockStoreUnavailableError,
 )
 from .fencing import FencedRedis, StaleFenceError, fenced_set, fenced_update
+from .request import LockedRequest
 from .result import follow
 from .states import SKIPPED, is_skipped
 from .task import LockedTask
@@ -42,6 +43,7 @@ __all__ = [
     "LockStateError",
     "LockStoreError",
     "LockStoreUnavailableError",
+    "LockedRequest",
     "LockedTask",
     "StaleFenceError",
     "__version__",

@@ -52,7 +52,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from . import signals
 from .config import LockSettings
-from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event
+from .events import TASK_LOCK_LOST, send_task_event
 from .exceptions import (
     DuplicateTaskError,
     LockContendedError,
@@ -63,6 +63,7 @@ from .exceptions import (
 from .heartbeat import Heartbeat
 from .keys import KeyDeriver, LockKeySpec, RequestKeys
 from .lease import Acquired, Done, Held, Holder, Lease, new_token
+from .request import SkippedCopy
 from .runtime import get_runtime
 from .states import SKIPPED, skipped_marker
 
@@ -75,8 +76,16 @@ DEFERRALS_HEADER = "celery_lock_deferrals"
 #: First and longest wait before a deferred copy is tried again, in seconds.
 DEFER_MIN_DELAY = 0.5
 DEFER_MAX_DELAY = 60.0
-#: What the lock path returns for a copy that ends as Celery's ``Ignore`` (raised by __call__).
-_IGNORE: Any = object()
+
+
+class _Ignored:
+    """What the lock path returns for a copy that ends as Celery's ``Ignore`` (raised by
+    ``__call__``): a value of a private class, which no task body can return."""
+
+    __slots__ = ("exception",)
+
+    def __init__(self, exception: Ignore) -> None:
+        self.exception = exception
 
 
 def _run_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
@@ -127,6 +136,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
     acks_late = True
     reject_on_worker_lost = True
+    #: Sends ``task-skipped`` from the worker's main process; derive your own from it.
+    Request = "celery_lock.request:LockedRequest"
 
     _lock_deriver: ClassVar[KeyDeriver | None] = None
 
@@ -213,11 +224,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 result = self._call_locked(args, kwargs)
             finally:
                 self.pop_request()
-        if result is _IGNORE:
+        if isinstance(result, _Ignored):
             # Raised here, not where the copy is skipped: Celery copies every frame of an
             # Ignore's traceback twice (billiard's ExceptionInfo keeps each frame's code
             # positions), and two frames fewer cut a skipped copy's cost by a third.
-            raise Ignore()
+            raise result.exception
         return result
 
     def _call_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -253,7 +264,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                     keys.lock,
                     request.id,
                 )
-                return _IGNORE
+                return _Ignored(Ignore())
             return self._skip(keys, "done", outcome.task_id, settings)
         assert isinstance(outcome, Held)
         if outcome.task_id and outcome.task_id == request.id:
@@ -376,17 +387,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
         signals.lock_skipped.send(
             sender=self, task_id=request.id, lock_key=keys.lock, reason=reason, holder=holder
         )
-        if not request.is_eager:
-            send_task_event(
-                self,
-                TASK_SKIPPED,
-                request.id,
-                request.hostname,
-                lock_key=keys.lock,
-                reason=reason,
-                holder=holder,
-                result=f"skipped: {reason} (holder {holder})",
-            )
+        # task-skipped is sent by the worker's main process (LockedRequest), which alone knows
+        # whether the worker sends task events now.
         meta = skipped_marker(keys.lock, reason, holder)
         if settings.skip_as_success or request.called_directly:
             # A direct call is plain Python: it gets the marker, not Celery's Ignore.
@@ -394,7 +396,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         ignores_result = self.ignore_result or getattr(request, "ignore_result", False)
         if request.id and not request.is_eager and not ignores_result:
             self.update_state(task_id=request.id, state=SKIPPED, meta=meta)
-        return _IGNORE
+        return _Ignored(SkippedCopy(keys.lock, reason, holder))
 
     def _defer(
         self,

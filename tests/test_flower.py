@@ -264,11 +264,6 @@ def test_without_task_events_no_task_skipped_event_is_sent(
     assert "task-received" not in "\n".join(flower.counter_lines())  # task events stayed off
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="task-skipped is sent from the pool process, gated by worker_send_task_events: "
-    "task events that Flower turns on at run time (enable_events) do not reach it",
-)
 def test_task_events_turned_on_by_flower_carry_task_skipped(
     stack: Callable[..., Any], producer: Celery
 ) -> None:

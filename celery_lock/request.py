@@ -1,0 +1,58 @@
+"""The worker's side of a skipped copy: ``task-skipped`` is sent by the worker's main process.
+
+A copy is skipped in the pool process, but whether the worker sends task events is known only
+in its main process: ``celery worker -E`` sets it at start, and Flower (``enable_events``) or
+``celery control enable_events`` turn it on at run time, which a pool process never learns. So
+the pool process raises :class:`SkippedCopy` (Celery's ``Ignore``, with what the event needs)
+and :class:`LockedRequest`, the request class of every ``LockedTask``, sends the event when the
+outcome reaches the main process, through the worker's own event dispatcher, exactly as Celery
+sends ``task-succeeded``.
+
+A task with a request class of its own should derive it from :class:`LockedRequest`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]  # not in celery-types
+from celery.exceptions import Ignore
+from celery.worker.request import Request
+
+from .events import TASK_SKIPPED
+
+__all__ = ["LockedRequest", "SkippedCopy"]
+
+
+class SkippedCopy(Ignore):
+    """Celery's ``Ignore`` for a copy skipped as a duplicate, carrying the ``task-skipped``
+    fields across to the worker's main process (positional, so it pickles as it is)."""
+
+    def __init__(self, lock_key: str, reason: str, holder: str) -> None:
+        super().__init__(lock_key, reason, holder)
+        self.lock_key, self.reason, self.holder = lock_key, reason, holder
+
+    def event_fields(self) -> dict[str, Any]:
+        """The fields of ``task-skipped``; ``result`` is the line Flower shows."""
+        return {
+            "lock_key": self.lock_key,
+            "reason": self.reason,
+            "holder": self.holder,
+            "result": f"skipped: {self.reason} (holder {self.holder})",
+        }
+
+
+class LockedRequest(Request):
+    """The worker's request for a ``LockedTask``: sends ``task-skipped`` for a skipped copy
+    whenever the worker sends task events, including once Flower has turned them on."""
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if isinstance(exc, SkippedCopy):
+            # Request.send_event: only if the worker's dispatcher sends task events now.
+            self.send_event(TASK_SKIPPED, name=self.task.name, **exc.event_fields())
+        return super().on_failure(exc_info, send_failed_event, return_ok)
