@@ -196,9 +196,9 @@ def lock(ctx: click.Context, url: str | None, prefix: str | None, as_json: bool)
 def _format_leases(leases: list[LeaseInfo]) -> str:
     if not leases:
         return "no leases held"
-    header = ("KEY", "TASK ID", "WORKER", "AGE", "TTL LEFT", "FENCE")
+    header = ("KEY", "TASK", "TASK ID", "WORKER", "AGE", "TTL LEFT", "FENCE")
     rows = [
-        (lease.key, lease.task_id, lease.worker,
+        (lease.key, lease.task, lease.task_id, lease.worker,
          "-" if lease.age_s is None else f"{lease.age_s:.1f}s",
          f"{lease.ttl_left_s:.1f}s", str(lease.fence))
         for lease in leases
@@ -212,7 +212,7 @@ def _format_leases(leases: list[LeaseInfo]) -> str:
 @lock.command(name="ls")
 @click.pass_context
 def ls_command(ctx: click.Context) -> None:
-    """List the leases held now: key, holder task id, worker, age, TTL left, fence."""
+    """List the leases held now: key, task, holder task id, worker, age, TTL left, fence."""
     leases = _admin(ctx).held()
     _emit(ctx, [asdict(lease) for lease in leases], _format_leases(leases))
 

@@ -1,4 +1,4 @@
-"""Process helpers for tests: a throwaway ``redis-server`` and a real Celery worker.
+"""Helpers for tests: a throwaway ``redis-server``, a real Celery worker, an event tap.
 
 Every wait is bounded and every process is cleaned up by pid (the worker by process group)::
 
@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -27,7 +28,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-__all__ = ["CeleryWorker", "RedisServer", "find_redis_server", "free_port"]
+__all__ = ["CeleryWorker", "EventTap", "RedisServer", "find_redis_server", "free_port"]
 
 _READY = re.compile(r"\S+@\S+ ready\.")
 
@@ -350,3 +351,42 @@ class CeleryWorker:
 
     def __repr__(self) -> str:
         return f"<CeleryWorker {self.hostname!r} pid={self.pid}>"
+
+
+class EventTap:
+    """Collects the events of the given types (``"task-skipped"``...) that reach ``app``'s
+    broker while the ``with`` block runs, in a thread of its own.
+
+    ``__enter__`` returns once the tap's queue is bound (bounded by ``ready_timeout``), so every
+    event sent after it is seen; ``__exit__`` stops the thread and closes the connection.
+    """
+
+    #: The events seen so far, as dicts (``type``, ``uuid``, ``hostname``, the event's fields).
+    events: list[dict[str, Any]]
+
+    def __init__(self, app: Any, *types: str, ready_timeout: float = 10.0) -> None:
+        self.events = []
+        self.ready_timeout = ready_timeout
+        self._connection = app.connection_for_read()
+        self._receiver = app.events.Receiver(
+            self._connection, handlers={kind: self.events.append for kind in types}
+        )
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="event-tap", daemon=True)
+
+    def _run(self) -> None:
+        # itercapture yields once its queue is bound, then drains until should_stop.
+        for _ in self._receiver.itercapture(limit=None, timeout=None, wakeup=False):
+            self._ready.set()
+
+    def __enter__(self) -> EventTap:
+        self._thread.start()
+        if not self._ready.wait(self.ready_timeout):
+            self.__exit__()
+            raise RuntimeError(f"event tap not bound after {self.ready_timeout}s")
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._receiver.should_stop = True
+        self._thread.join(10)
+        self._connection.close()

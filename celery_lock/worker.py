@@ -81,10 +81,28 @@ class LockStep(bootsteps.Step):
         reset_runtime(app)  # no connection of the main process crosses the fork
 
 
+def _checked(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Check an option's value as the bootstep will, so a bad one is a one-line usage error
+    (``Invalid value for '--lock-ttl': ...``, exit status 2) rather than a traceback."""
+    if value is None or param.name is None:
+        return value
+    flag = "--" + param.name.replace("_", "-")
+    try:
+        return check_value(param.name.removeprefix("lock_"), value, flag)
+    except ConfigurationError as exc:
+        raise click.BadParameter(exc.problem, ctx=ctx, param=param) from exc
+
+
 def _worker_options() -> list[click.Option]:
     return [
-        click.Option(["--lock-redis-url"], help="celery-lock: lock store URL (redis://...)."),
-        click.Option(["--lock-ttl"], type=float, help="celery-lock: lease TTL in seconds."),
+        click.Option(
+            ["--lock-redis-url"],
+            callback=_checked,
+            help="celery-lock: lock store URL (redis://...).",
+        ),
+        click.Option(
+            ["--lock-ttl"], type=float, callback=_checked, help="celery-lock: lease TTL in seconds."
+        ),
         click.Option(
             ["--lock-on-duplicate"],
             type=click.Choice(DUPLICATE_POLICIES),

@@ -51,8 +51,19 @@ def test_ls_lists_held_leases_with_holder_worker_age_ttl_and_fence(
     done = celery_lock_cli(worker_env, "ls")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].split() == ["KEY", "TASK", "ID", "WORKER", "AGE", "TTL", "LEFT", "FENCE"]
+    assert lines[0].split() == [
+        "KEY",
+        "TASK",
+        "TASK",
+        "ID",
+        "WORKER",
+        "AGE",
+        "TTL",
+        "LEFT",
+        "FENCE",
+    ]
     assert "celery-lock:{storm.process:1}:lock" in lines[2]
+    assert lines[2].split()[1] == "storm.process"
     assert "task-1" in lines[2]
     assert "host-a:4242" in lines[2]
     assert lines[-1] == "3 lease(s) held"

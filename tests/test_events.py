@@ -2,49 +2,19 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from celery import Celery
 
 from celery_lock import SKIPPED
-from celery_lock.testing import CeleryWorker
+from celery_lock.testing import CeleryWorker, EventTap
 
 pytestmark = pytest.mark.worker
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class EventTap:
-    """Captures events of the given types in a background thread until stopped."""
-
-    def __init__(self, app: Celery, *types: str) -> None:
-        self.events: list[dict[str, Any]] = []
-        self._connection = app.connection_for_read()
-        self._receiver = app.events.Receiver(
-            self._connection, handlers={t: self.events.append for t in types}
-        )
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        # itercapture yields once its queue is bound, then drains until should_stop.
-        for _ in self._receiver.itercapture(limit=None, timeout=None, wakeup=False):
-            self._ready.set()
-
-    def __enter__(self) -> EventTap:
-        self._thread.start()
-        assert self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._receiver.should_stop = True
-        self._thread.join(10)
-        self._connection.close()
 
 
 @pytest.fixture

@@ -65,6 +65,20 @@ def test_worker_refuses_to_start_with_malformed_lock_url(worker_env: dict[str, s
     assert "redis://" in done.stderr + done.stdout
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "problem"),
+    [("--lock-ttl", "-5", "must be a positive number of seconds"),
+     ("--lock-redis-url", "http://nope", "expected a redis://")],
+)  # fmt: skip
+def test_bad_worker_option_is_a_one_line_usage_error(
+    worker_env: dict[str, str], option: str, value: str, problem: str
+) -> None:
+    done = celery("worker", option, value, "--pool", "solo", env={**os.environ, **worker_env})
+    assert done.returncode == 2  # click's usage error, before the worker starts
+    assert f"Invalid value for '{option}': {problem}" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
 def test_lock_on_duplicate_option_overrides_conf(
     make_producer: Callable[..., Celery], worker: Any, worker_env: dict[str, str]
 ) -> None:
