@@ -25,6 +25,7 @@ from celery import Celery, states
 from celery.result import AsyncResult
 
 from celery_lock import SKIPPED
+from celery_lock.lease import decode_lock
 from celery_lock.testing import CeleryWorker
 
 pytestmark = pytest.mark.worker
@@ -195,6 +196,17 @@ def test_long_task_keeps_its_lease_by_heartbeat_in_pool_process(
     start_worker()
     app = producer(worker_env)
     first = app.send_task("storm.long", args=(1,))
+    # Copies are sent once the first holds the lease: sent earlier, one could reach another
+    # pool process first and make the first copy the skipped one.
+    locks = redis.Redis.from_url(worker_env["STORM_LOCK_URL"])
+    try:
+        deadline = time.monotonic() + 30
+        while (held := locks.get("celery-lock:{storm.long:1}:lock")) is None:
+            assert time.monotonic() < deadline, f"no lease after 30 s; first is {first.state}"
+            time.sleep(0.02)
+    finally:
+        locks.close()
+    assert decode_lock(held).holder.task_id == first.id
     copies = []
     deadline = time.monotonic() + 60
     while first.state not in states.READY_STATES:
