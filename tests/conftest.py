@@ -18,7 +18,7 @@ from celery import Celery
 from celery.contrib.testing.worker import TestWorkController, start_worker
 from celery.worker import state as worker_state
 
-from celery_lock.testing import RedisServer
+from celery_lock.testing import CeleryWorker, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,6 +74,38 @@ def worker_env(redis_server: RedisServer) -> dict[str, str]:
         "STORM_RECORD_URL": redis_server.url_for(RECORD_DB),
         "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]),
     }
+
+
+@pytest.fixture
+def spawn_worker(tmp_path: Path) -> Iterator[Callable[..., CeleryWorker]]:
+    """``spawn_worker(app_module, env, ...)``: start a real ``celery worker`` subprocess (no
+    mingle, no gossip, its log in ``tmp_path``); every one is stopped by process group at the
+    end of the test: warm shutdown then SIGKILL, or straight SIGKILL with ``kill_at_end``.
+    """
+    started: list[tuple[CeleryWorker, bool]] = []
+
+    def spawn(
+        app_module: str,
+        env: dict[str, str],
+        *extra_args: str,
+        concurrency: int = 4,
+        kill_at_end: bool = False,
+    ) -> CeleryWorker:
+        worker = CeleryWorker(
+            app_module,
+            concurrency=concurrency,
+            extra_args=["--without-mingle", "--without-gossip", *extra_args],
+            env=env,
+            cwd=ROOT,
+            logfile=tmp_path / f"worker-{len(started)}.log",
+        )
+        started.append((worker, kill_at_end))
+        worker.start()
+        return worker
+
+    yield spawn
+    for worker, kill in started:
+        worker.kill() if kill else worker.stop()
 
 
 @pytest.fixture

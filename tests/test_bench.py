@@ -9,6 +9,7 @@ its redis-server by pid, then SIGKILL.
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -62,3 +63,16 @@ def test_quick_bench_runs_every_section_and_writes_results(tmp_path: Path) -> No
     for heading in ("## Machine", "## Lock cycle", "## End to end", "## Duplicate storm"):
         assert heading in done.stdout
     assert "plot" not in results  # the quick run leaves docs/ alone
+
+
+def test_bench_command_lines_in_the_docs_parse() -> None:
+    """Every ``python -m bench ...`` line shown in docs/benchmarks.md is one the bench accepts."""
+    from bench.__main__ import parse  # noqa: PLC0415 - bench is a directory of the repository
+
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    lines = [line.split(" #", 1)[0].strip() for line in page.splitlines()]
+    argvs = [shlex.split(line) for line in lines if line.startswith("python -m bench")]
+    commands = [argv[3:] for argv in argvs if argv[2] == "bench"]  # not bench.profile
+    assert commands, "docs/benchmarks.md shows no bench command"
+    for argv in commands:
+        parse(argv)  # argparse exits (SystemExit) on anything it does not accept

@@ -65,27 +65,13 @@ def fault_env(worker_env: dict[str, str]) -> dict[str, str]:
 
 @pytest.fixture
 def start_worker(
-    fault_env: dict[str, str], tmp_path: Path
-) -> Iterator[Callable[..., CeleryWorker]]:
-    """Start fault_app workers; each is SIGKILLed by process group at the end of the test."""
-    workers: list[CeleryWorker] = []
-
-    def start(**env: str) -> CeleryWorker:
-        worker = CeleryWorker(
-            "tests.apps.fault_app",
-            concurrency=2,
-            extra_args=["--without-mingle", "--without-gossip"],
-            env={**fault_env, **env},
-            cwd=ROOT,
-            logfile=tmp_path / f"worker-{len(workers)}.log",
-        )
-        workers.append(worker)
-        worker.start()
-        return worker
-
-    yield start
-    for worker in workers:
-        worker.kill()  # nothing to wait for: the next test empties the databases
+    spawn_worker: Callable[..., CeleryWorker], fault_env: dict[str, str]
+) -> Callable[..., CeleryWorker]:
+    """Start fault_app workers; each is SIGKILLed by process group at the end of the test
+    (nothing to wait for: the next test empties the databases)."""
+    return lambda **env: spawn_worker(
+        "tests.apps.fault_app", {**fault_env, **env}, concurrency=2, kill_at_end=True
+    )
 
 
 @pytest.fixture

@@ -383,25 +383,11 @@ def store_env(redis_server: RedisServer, lock_server: RedisServer) -> dict[str, 
 
 
 @pytest.fixture
-def store_worker(store_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    workers: list[CeleryWorker] = []
-
-    def start(**env: str) -> CeleryWorker:
-        worker = CeleryWorker(
-            "tests.apps.store_app",
-            concurrency=2,
-            extra_args=["--without-mingle", "--without-gossip"],
-            env={**store_env, **env},
-            cwd=ROOT,
-            logfile=tmp_path / f"worker-{len(workers)}.log",
-        )
-        workers.append(worker)
-        worker.start()
-        return worker
-
-    yield start
-    for worker in workers:
-        worker.stop()
+def store_worker(
+    spawn_worker: Callable[..., CeleryWorker], store_env: dict[str, str]
+) -> Callable[..., CeleryWorker]:
+    """``store_worker(**env)``: a two-process store_app worker."""
+    return lambda **env: spawn_worker("tests.apps.store_app", {**store_env, **env}, concurrency=2)
 
 
 @pytest.fixture

@@ -28,22 +28,13 @@ PROMPTLY = 10.0  # well under the 30 s lease TTL of storm.hold
 
 
 @pytest.fixture
-def start_worker(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
-    workers: list[CeleryWorker] = []
-
-    def start(*extra: str, **env: str) -> CeleryWorker:
-        worker = CeleryWorker(
-            "tests.apps.storm_app", concurrency=2, cwd=ROOT, env={**worker_env, **env},
-            extra_args=["--without-mingle", "--without-gossip", *extra],
-            logfile=tmp_path / f"worker-{len(workers)}.log",
-        )  # fmt: skip
-        workers.append(worker)
-        worker.start()
-        return worker
-
-    yield start
-    for worker in workers:
-        worker.stop()
+def start_worker(
+    spawn_worker: Callable[..., CeleryWorker], worker_env: dict[str, str]
+) -> Callable[..., CeleryWorker]:
+    """``start_worker(*extra_args, **env)``: a two-process storm_app worker."""
+    return lambda *extra, **env: spawn_worker(
+        "tests.apps.storm_app", {**worker_env, **env}, *extra, concurrency=2
+    )
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import socket
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,25 +47,11 @@ def producer(make_producer: Callable[..., Celery]) -> Callable[..., Celery]:
 
 
 @pytest.fixture
-def start_worker(worker_env: dict[str, str], tmp_path: Any) -> Iterator[Any]:
-    workers: list[CeleryWorker] = []
-
-    def start(**env: str) -> CeleryWorker:
-        worker = CeleryWorker(
-            "tests.apps.storm_app",
-            concurrency=4,
-            extra_args=["--without-mingle", "--without-gossip"],
-            env={**worker_env, **env},
-            cwd=ROOT,
-            logfile=tmp_path / f"worker-{len(workers)}.log",
-        )
-        workers.append(worker)
-        worker.start()
-        return worker
-
-    yield start
-    for worker in workers:
-        worker.stop()
+def start_worker(
+    spawn_worker: Callable[..., CeleryWorker], worker_env: dict[str, str]
+) -> Callable[..., CeleryWorker]:
+    """``start_worker(**env)``: a four-process storm_app worker."""
+    return lambda **env: spawn_worker("tests.apps.storm_app", {**worker_env, **env})
 
 
 def publish_shuffled(app: Celery, jobs: list[tuple[str, int]]) -> list[AsyncResult[Any]]:
