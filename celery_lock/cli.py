@@ -90,8 +90,10 @@ class LockAdmin:
             if value is None or pttl == -2:
                 continue  # released between SCAN and read
             try:
+                if isinstance(value, redis.ResponseError):  # WRONGTYPE: not a string at all
+                    raise ValueError(str(value))
                 entry = decode_lock(value)
-            except (ValueError, KeyError, TypeError, redis.ResponseError):
+            except (ValueError, KeyError, TypeError):
                 # Not a lock celery-lock wrote: listed, so that it can be found and released.
                 found.append(LeaseInfo(key, "?", "?", "?", None, _ttl_left(pttl), None))
                 continue

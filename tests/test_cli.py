@@ -69,6 +69,20 @@ def test_ls_lists_held_leases_with_holder_worker_age_ttl_and_fence(
     assert lines[-1] == "3 lease(s) held"
 
 
+def test_ls_lists_a_foreign_value_under_a_lock_key_so_it_can_be_released(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    take(store, 1, "task-1")
+    store.client.hset("celery-lock:{storm.process:2}:lock", "owner", "someone")  # not ours
+    store.client.set("celery-lock:{storm.process:3}:lock", "garbage")
+    done = celery_lock_cli(worker_env, "ls")
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[1:-1]}
+    assert rows["celery-lock:{storm.process:1}:lock"][:2] == ["storm.process", "task-1"]
+    assert rows["celery-lock:{storm.process:2}:lock"][:3] == ["?", "?", "?"]
+    assert rows["celery-lock:{storm.process:3}:lock"][:3] == ["?", "?", "?"]
+
+
 def test_ls_json_is_machine_readable(worker_env: dict[str, str], store: LockStore) -> None:
     take(store, 7, "task-7")
     done = celery_lock_cli(worker_env, "--json", "ls")
