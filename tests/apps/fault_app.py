@@ -15,49 +15,33 @@ ends; a run killed midway leaves only the first. Deferred and skipped copies are
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
-import redis
-from celery import Celery
-
-import celery_lock
 from celery_lock import LockedTask
 from celery_lock.signals import lock_deferred, lock_skipped
+from tests.apps.common import Recorder, worker_test_app
 
 STARTED_KEY = "fault:started"
 RUNS_KEY = "fault:runs"
 DEFERRED_KEY = "fault:deferred"
 SKIPPED_KEY = "fault:skipped"
 
-app = Celery(
+app = worker_test_app(
     "fault",
-    broker=os.environ.get("FAULT_BROKER_URL", "redis://127.0.0.1:6379/0"),
-    backend=os.environ.get("FAULT_BACKEND_URL", "redis://127.0.0.1:6379/1"),
+    "FAULT",
+    celery_lock_ttl=float(os.environ.get("FAULT_LOCK_TTL", "2")),
+    broker_transport_options={
+        "visibility_timeout": float(os.environ.get("FAULT_VISIBILITY_TIMEOUT", "3600")),
+        # kombu scans for expired unacked messages every interval * throttle seconds.
+        "unacked_restore_interval": float(os.environ.get("FAULT_RESTORE_INTERVAL", "10")),
+        "unacked_restore_throttle": 1,
+    },
 )
-app.conf.celery_lock_redis_url = os.environ.get("FAULT_LOCK_URL", "redis://127.0.0.1:6379/2")
-app.conf.celery_lock_ttl = float(os.environ.get("FAULT_LOCK_TTL", "2"))
 if os.environ.get("FAULT_HEARTBEAT_INTERVAL"):
     app.conf.celery_lock_heartbeat_interval = float(os.environ["FAULT_HEARTBEAT_INTERVAL"])
-app.conf.worker_prefetch_multiplier = 1
-app.conf.broker_connection_retry_on_startup = True
-app.conf.result_expires = 3600
-app.conf.broker_transport_options = {
-    "visibility_timeout": float(os.environ.get("FAULT_VISIBILITY_TIMEOUT", "3600")),
-    # kombu scans for expired unacked messages every interval * throttle seconds.
-    "unacked_restore_interval": float(os.environ.get("FAULT_RESTORE_INTERVAL", "10")),
-    "unacked_restore_throttle": 1,
-}
-celery_lock.install(app)
-
-_record = redis.Redis.from_url(os.environ.get("FAULT_RECORD_URL", "redis://127.0.0.1:6379/3"))
-
-
-def _append(key: str, **entry: Any) -> None:
-    # CLOCK_MONOTONIC is system-wide on Linux: the test compares it with its own clock.
-    _record.rpush(key, json.dumps({**entry, "pid": os.getpid(), "at": time.monotonic()}))
+_append = Recorder("FAULT").append
 
 
 @app.task(base=LockedTask, bind=True, lock_key="request_idx", max_retries=0, name="fault.work")

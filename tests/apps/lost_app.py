@@ -12,29 +12,16 @@ whatever it saw, so the test can tell whether the sink turned a stale holder awa
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
-from celery import Celery
-
-import celery_lock
 from celery_lock import LockedTask, LockLostError, signals
 from celery_lock.fencing import fenced_set
+from tests.apps.common import Recorder, worker_test_app
 
-app = Celery(
-    "lost",
-    broker=os.environ.get("LOST_BROKER_URL", "redis://127.0.0.1:6379/0"),
-    backend=os.environ.get("LOST_BACKEND_URL", "redis://127.0.0.1:6379/1"),
-)
-app.conf.celery_lock_redis_url = os.environ.get("LOST_LOCK_URL", "redis://127.0.0.1:6379/2")
-app.conf.worker_prefetch_multiplier = 1
-app.conf.broker_connection_retry_on_startup = True
-app.conf.result_expires = 3600
-celery_lock.install(app)
+app = worker_test_app("lost", "LOST")
 
 TTL = float(os.environ.get("LOST_TTL", "1.5"))
 #: Sleep step of the waiting loops. The loops count steps rather than watch a clock, so a
@@ -47,7 +34,9 @@ STARTED_KEY = "lost:started"
 SEEN_KEY = "lost:seen"
 SIGNALS_KEY = "lost:signals"
 RELEASED_KEY = "lost:released"
-_record = redis.Redis.from_url(os.environ.get("LOST_RECORD_URL", "redis://127.0.0.1:6379/3"))
+_recorder = Recorder("LOST")
+_record = _recorder.client  # also the fenced sink's store
+_push = _recorder.append
 
 
 def go_key(task_id: str) -> str:
@@ -66,10 +55,6 @@ def _wait(condition: Callable[[], Any], steps: int) -> bool:
             return True
         time.sleep(STEP)
     return bool(condition())
-
-
-def _push(key: str, **fields: Any) -> None:
-    _record.rpush(key, json.dumps({**fields, "pid": os.getpid(), "at": time.monotonic()}))
 
 
 @signals.lock_lost.connect

@@ -14,43 +14,27 @@ recorded from its signals in ``store:deferred``, ``store:lost`` and ``store:rele
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
-import redis
-from celery import Celery
-
-import celery_lock
 from celery_lock import LockedTask
 from celery_lock.signals import lock_deferred, lock_lost, lock_released
 from celery_lock.task import DEFERRALS_HEADER
+from tests.apps.common import Recorder, worker_test_app
 
 RUNS_KEY = "store:runs"
 DEFERRED_KEY = "store:deferred"
 LOST_KEY = "store:lost"
 RELEASED_KEY = "store:released"
 
-app = Celery(
+app = worker_test_app(
     "store",
-    broker=os.environ.get("STORE_BROKER_URL", "redis://127.0.0.1:6379/0"),
-    backend=os.environ.get("STORE_BACKEND_URL", "redis://127.0.0.1:6379/1"),
+    "STORE",
+    celery_lock_ttl=float(os.environ.get("STORE_LOCK_TTL", "5")),
+    celery_lock_fail_open=os.environ.get("STORE_FAIL_OPEN", "") == "1",
 )
-app.conf.celery_lock_redis_url = os.environ.get("STORE_LOCK_URL", "redis://127.0.0.1:6380/0")
-app.conf.celery_lock_ttl = float(os.environ.get("STORE_LOCK_TTL", "5"))
-app.conf.celery_lock_fail_open = os.environ.get("STORE_FAIL_OPEN", "") == "1"
-app.conf.worker_prefetch_multiplier = 1
-app.conf.broker_connection_retry_on_startup = True
-app.conf.result_expires = 3600
-celery_lock.install(app)
-
-_record = redis.Redis.from_url(os.environ.get("STORE_RECORD_URL", "redis://127.0.0.1:6379/3"))
-
-
-def _append(key: str, **entry: Any) -> None:
-    # CLOCK_MONOTONIC is system-wide on Linux: the test compares it with its own clock.
-    _record.rpush(key, json.dumps({**entry, "pid": os.getpid(), "at": time.monotonic()}))
+_append = Recorder("STORE").append
 
 
 @app.task(base=LockedTask, bind=True, lock_key="request_idx", max_retries=0, name="store.work")

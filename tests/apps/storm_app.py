@@ -12,48 +12,34 @@ import os
 import time
 from typing import Any
 
-import redis
-from celery import Celery
-
-import celery_lock
 from celery_lock import LockedTask
+from tests.apps.common import Recorder, worker_test_app
 
-app = Celery(
+app = worker_test_app(
     "storm",
-    broker=os.environ.get("STORM_BROKER_URL", "redis://127.0.0.1:6379/0"),
-    backend=os.environ.get("STORM_BACKEND_URL", "redis://127.0.0.1:6379/1"),
+    "STORM",
+    task_default_queue=os.environ.get("STORM_QUEUE", "celery"),
+    # Extra settings for one test, e.g. '{"worker_soft_shutdown_timeout": 1}'.
+    **json.loads(os.environ.get("STORM_CONF", "{}")),
 )
-app.conf.celery_lock_redis_url = os.environ.get("STORM_LOCK_URL", "redis://127.0.0.1:6379/2")
-app.conf.worker_prefetch_multiplier = 1
-app.conf.broker_connection_retry_on_startup = True
-app.conf.result_expires = 3600
-app.conf.task_default_queue = os.environ.get("STORM_QUEUE", "celery")
-# Extra settings for one test, e.g. '{"worker_soft_shutdown_timeout": 1}'.
-app.conf.update(json.loads(os.environ.get("STORM_CONF", "{}")))
-celery_lock.install(app)
 
 RUNS_KEY = "storm:runs"
 STARTED_KEY = "storm:started"
-_record = redis.Redis.from_url(os.environ.get("STORM_RECORD_URL", "redis://127.0.0.1:6379/3"))
+_record = Recorder("STORM")
 WORK_SECONDS = float(os.environ.get("STORM_WORK_SECONDS", "0.05"))
 
 
 def record(task: Any, request_idx: int, started: float) -> None:
     """Append one run's interval (CLOCK_MONOTONIC is system-wide on Linux) to the record."""
-    _record.rpush(
+    _record.append(
         RUNS_KEY,
-        json.dumps(
-            {
-                "task": task.name,
-                "request_idx": request_idx,
-                "task_id": task.request.id,
-                "fence": task.request.lock_fence,
-                "ttl": task.lock_settings().ttl,
-                "pid": os.getpid(),
-                "start": started,
-                "end": time.monotonic(),
-            }
-        ),
+        task=task.name,
+        request_idx=request_idx,
+        task_id=task.request.id,
+        fence=task.request.lock_fence,
+        ttl=task.lock_settings().ttl,
+        start=started,
+        end=time.monotonic(),
     )
 
 
@@ -98,8 +84,7 @@ def long(self: Any, request_idx: int, seconds: float = 8.0) -> int:
 def hold(self: Any, request_idx: int, seconds: float = 20.0) -> int:
     """Holds its request for ``seconds`` on its first grant, briefly on any later one."""
     started = time.monotonic()
-    _record.rpush(STARTED_KEY, json.dumps({"task_id": self.request.id, "pid": os.getpid(),
-                                           "fence": self.request.lock_fence}))  # fmt: skip
+    _record.append(STARTED_KEY, task_id=self.request.id, fence=self.request.lock_fence)
     time.sleep(seconds if self.request.lock_fence == 1 else 0.1)
     record(self, request_idx, started)
     return request_idx

@@ -1,0 +1,46 @@
+"""What the worker-test apps share: an app configured from ``<PREFIX>_*`` environment variables,
+and a recorder that appends JSON entries to Redis lists for the test to read."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+import celery_lock
+
+
+def worker_test_app(name: str, prefix: str, **conf: Any) -> Celery:
+    """An app on ``<PREFIX>_BROKER_URL``, ``_BACKEND_URL`` and ``_LOCK_URL`` (the lock store),
+    one message per pool process at a time, with celery-lock installed; ``conf`` on top."""
+
+    def url(role: str, db: int) -> str:
+        return os.environ.get(f"{prefix}_{role}_URL", f"redis://127.0.0.1:6379/{db}")
+
+    app = Celery(name, broker=url("BROKER", 0), backend=url("BACKEND", 1))
+    app.conf.update(
+        celery_lock_redis_url=url("LOCK", 2),
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        result_expires=3600,
+        **conf,
+    )
+    celery_lock.install(app)
+    return app
+
+
+class Recorder:
+    """Appends entries to Redis lists on ``<PREFIX>_RECORD_URL``, each stamped with the pool
+    process's pid and ``time.monotonic()`` (system-wide on Linux: the test compares it with its
+    own clock)."""
+
+    def __init__(self, prefix: str) -> None:
+        url = os.environ.get(f"{prefix}_RECORD_URL", "redis://127.0.0.1:6379/3")
+        self.client = redis.Redis.from_url(url)
+
+    def append(self, key: str, **entry: Any) -> None:
+        self.client.rpush(key, json.dumps({**entry, "pid": os.getpid(), "at": time.monotonic()}))
