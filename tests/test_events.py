@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,13 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def events_worker(worker_env: dict[str, str], tmp_path: Path) -> Iterator[CeleryWorker]:
-    worker = CeleryWorker("tests.apps.storm_app", concurrency=2, cwd=ROOT, env=worker_env,
-                          extra_args=["-E", "--without-mingle", "--without-gossip"],
-                          logfile=tmp_path / "worker.log")  # fmt: skip
-    worker.start()
-    yield worker
-    worker.stop()
+def events_worker(
+    spawn_worker: Callable[..., CeleryWorker], worker_env: dict[str, str]
+) -> CeleryWorker:
+    return spawn_worker("tests.apps.storm_app", worker_env, "-E", concurrency=2)
 
 
 def test_skipped_copy_sends_task_skipped_event(

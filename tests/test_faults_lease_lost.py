@@ -62,13 +62,10 @@ def lost_env(worker_env: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.fixture
-def worker(lost_env: dict[str, str], tmp_path: Path) -> Iterator[CeleryWorker]:
-    worker = CeleryWorker("tests.apps.lost_app", concurrency=2, cwd=ROOT, env=lost_env,
-                          extra_args=["-E", "--without-mingle", "--without-gossip"],
-                          logfile=tmp_path / "worker.log")  # fmt: skip
-    worker.start()
-    yield worker
-    worker.stop()  # SIGCONTs the group first: a stopped pool process cannot hang it
+def worker(spawn_worker: Callable[..., CeleryWorker], lost_env: dict[str, str]) -> CeleryWorker:
+    # Stopped at the end with a warm shutdown that SIGCONTs the group first: a stopped pool
+    # process cannot hang it.
+    return spawn_worker("tests.apps.lost_app", lost_env, "-E", concurrency=2)
 
 
 @pytest.fixture

@@ -176,7 +176,10 @@ def test_duplicate_storm_over_rabbitmq(
 
 
 def test_long_task_keeps_its_lease_by_heartbeat_in_pool_process(
-    producer: Callable[..., Celery], start_worker: Any, worker_env: dict[str, str]
+    producer: Callable[..., Celery],
+    start_worker: Any,
+    worker_env: dict[str, str],
+    lock_redis: redis.Redis,
 ) -> None:
     """A body running 4x its TTL keeps the lease; copies arriving all along are skipped."""
     start_worker()
@@ -184,14 +187,10 @@ def test_long_task_keeps_its_lease_by_heartbeat_in_pool_process(
     first = app.send_task("storm.long", args=(1,))
     # Copies are sent once the first holds the lease: sent earlier, one could reach another
     # pool process first and make the first copy the skipped one.
-    locks = redis.Redis.from_url(worker_env["STORM_LOCK_URL"])
-    try:
-        deadline = time.monotonic() + 30
-        while (held := locks.get("celery-lock:{storm.long:1}:lock")) is None:
-            assert time.monotonic() < deadline, f"no lease after 30 s; first is {first.state}"
-            time.sleep(0.02)
-    finally:
-        locks.close()
+    deadline = time.monotonic() + 30
+    while (held := lock_redis.get("celery-lock:{storm.long:1}:lock")) is None:
+        assert time.monotonic() < deadline, f"no lease after 30 s; first is {first.state}"
+        time.sleep(0.02)
     assert decode_lock(held).holder.task_id == first.id
     copies = []
     deadline = time.monotonic() + 60
