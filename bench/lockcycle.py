@@ -1,13 +1,14 @@
 """Lock cycle: acquire and release one fresh key, one client, one thread, in a tight loop.
 
 The floor is what any safe Redis lock needs: ``SET key token NX PX`` and one ``EVALSHA`` of a
-compare-and-delete script, sent on a connection held for the run (as ``LockStore`` holds its
-own), so that it measures the protocol rather than redis-py's pool; the same two commands
-through the client's pool are shown too. Beside them, on the same server and in the same rounds:
+compare-and-delete script, sent exactly as ``LockStore`` sends its scripts (on the connection it
+holds, each command packed by hiredis in one call), so that it measures the protocol rather than
+the client; the same two commands through redis-py's pool are shown too. Beside them, on the
+same server and in the same rounds:
 
 - celery-lock's :class:`~celery_lock.store.LockStore` (acquire script, release script with its
   done-marker), alone and with the lease handed to the per-process heartbeat as LockedTask does;
-- celery-lock's two scripts by bare ``EVALSHA`` on a held connection (no library code: what the
+- celery-lock's two scripts by bare ``EVALSHA``, sent as the floor is (no library code: what the
   server's work and the bigger payload cost on their own);
 - redis-py's ``Lock``, python-redis-lock's ``Lock`` (with and without ``auto_renewal``, which
   starts a thread per acquisition) and pottery's ``Redlock`` (one master).
@@ -64,26 +65,17 @@ class Options:
     warmup: int = 200
 
 
-def _held_connection(store: LockStore, stack: ExitStack) -> Any:
-    """A connection of the store's pool, held for the whole run as LockStore holds its own:
-    no per-command checkout, so the floor is what the protocol costs, not the pool."""
-    pool = store.client.connection_pool
-    connection = pool.get_connection()
-    stack.callback(pool.release, connection)
-    return connection
-
-
 def _floor(store: LockStore, stack: ExitStack) -> Cycle:
     sha = store.client.script_load(COMPARE_AND_DELETE)
-    connection = _held_connection(store, stack)
+    # The store's own command path: its held connection, the command packed in one call as
+    # LockStore packs its scripts; so the floor is what the protocol costs, not the client.
+    send = store._send
 
     def cycle(n: int) -> None:
         key, token = f"bench:floor:{n}", secrets.token_hex(16)
-        connection.send_command("SET", key, token, "NX", "PX", TTL_MS)
-        if connection.read_response() is None:
+        if send("SET", key, token, "NX", "PX", TTL_MS) is None:
             raise RuntimeError(f"{key} was taken")
-        connection.send_command("EVALSHA", sha, 1, key, token)
-        connection.read_response()
+        send("EVALSHA", sha, 1, key, token)
 
     return cycle
 
@@ -140,18 +132,16 @@ def _bare_scripts(store: LockStore, stack: ExitStack) -> Cycle:
         client.script_load(script.script)
     acquire, release = scripts.acquire.sha, scripts.release.sha
     holder = HOLDER
-    connection = _held_connection(store, stack)
+    send = store._send  # as the floor sends
 
     def cycle(n: int) -> None:
         keys = RequestKeys.build("bench", "bare", str(n), "bench.cycle")
         token = new_token()
         described = holder.describe(int(time.time() * 1000))
-        connection.send_command("EVALSHA", acquire, 3, keys.lock, keys.fence, keys.done, token,
-                                TTL_MS, described, DONE_TTL_MS)  # fmt: skip
-        connection.read_response()
-        connection.send_command("EVALSHA", release, 2, keys.lock, keys.done, token, DONE_TTL_MS,
-                                "success", holder.task_id)  # fmt: skip
-        connection.read_response()
+        send("EVALSHA", acquire, 3, keys.lock, keys.fence, keys.done, token, TTL_MS, described,
+             DONE_TTL_MS)  # fmt: skip
+        send("EVALSHA", release, 2, keys.lock, keys.done, token, DONE_TTL_MS, "success",
+             holder.task_id)  # fmt: skip
 
     return cycle
 

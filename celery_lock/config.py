@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
@@ -100,17 +101,24 @@ class LockSettings:
     #: A skipped copy completes as SUCCESS with a marker value instead of SKIPPED (canvas).
     skip_as_success: bool = False
 
-    @property
+    # Cached: every task reads them, and settings are resolved once per task and process.
+    @cached_property
     def ttl_ms(self) -> int:
         """The lease TTL in milliseconds."""
         return max(1, int(self.ttl * 1000))
 
-    @property
+    @cached_property
     def done_ttl_ms(self) -> int:
         """The done-marker TTL in milliseconds."""
         return max(1, int(self.done_ttl * 1000))
 
-    @property
+    @cached_property
+    def fence_ttl_ms(self) -> int:
+        """How long a fence counter outlives its last grant, in milliseconds: as long as the
+        lease or the done-marker, whichever lives longer."""
+        return max(self.done_ttl_ms, self.ttl_ms)
+
+    @cached_property
     def interval(self) -> float:
         """Seconds between heartbeats."""
         return self.heartbeat_interval or self.ttl / 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery import Celery
@@ -71,11 +72,14 @@ class Runtime:
                 url = self._broker_store_url = lock_store_url(self.app, settings)
         return self.store(url)
 
-    def settings(self, task_name: str, task_options: dict[str, Any]) -> LockSettings:
-        """The settings of one task, resolved once per process."""
+    def settings(
+        self, task_name: str, task_options: Callable[[], Mapping[str, Any]]
+    ) -> LockSettings:
+        """The settings of one task, resolved once per process (the first time, from
+        ``app.conf`` and what ``task_options()`` returns)."""
         settings = self._settings.get(task_name)
         if settings is None:
-            settings = LockSettings.resolve(self.app.conf, task_options, task_name)
+            settings = LockSettings.resolve(self.app.conf, task_options(), task_name)
             self._settings[task_name] = settings
         return settings
 

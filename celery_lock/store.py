@@ -52,6 +52,11 @@ from tenacity import (
     wait_random_exponential,
 )
 
+try:
+    from hiredis import pack_command as _pack_command
+except ImportError:  # pragma: no cover - hiredis is a dependency; redis-py works without it
+    _pack_command = None  # type: ignore[assignment]
+
 from .exceptions import LockStateError, LockStoreError, LockStoreUnavailableError
 from .keys import RequestKeys
 from .lease import Acquired, Done, Held, Holder, Lease, Outcome, decode_lock
@@ -165,6 +170,7 @@ class LockStore:
         # per call; see _send.
         self._own: Any = None
         self._own_guard = threading.Lock()
+        self._packs = False
         connection_kwargs = client.connection_pool.connection_kwargs
         if connection_kwargs.get("redis_connect_func") is None:
             connection_kwargs["redis_connect_func"] = self._on_connect
@@ -252,7 +258,13 @@ class LockStore:
             connection = self._own
             if connection is None:
                 connection = self._own = _check_out(self.client.connection_pool)
-            connection.send_command(*command)
+                self._packs = _packs_with_hiredis(connection)
+            if self._packs:
+                # The bytes send_command would send, packed in one C call: a tenth of a
+                # round trip's client-side CPU less than going through redis-py's packer.
+                connection.send_packed_command((_pack_command(command),))
+            else:
+                connection.send_command(*command)
             return connection.read_response()
         finally:
             self._own_guard.release()
@@ -443,6 +455,13 @@ class LockStore:
             else:
                 owned.append(bool(reply))
         return owned
+
+
+def _packs_with_hiredis(connection: Any) -> bool:
+    """Whether ``connection`` packs commands with hiredis (redis-py does when hiredis is
+    installed): then :func:`hiredis.pack_command` writes exactly what it would send."""
+    packer = getattr(connection, "_command_packer", None)
+    return _pack_command is not None and type(packer).__name__ == "HiredisRespSerializer"
 
 
 def _check_out(pool: Any) -> Any:

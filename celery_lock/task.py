@@ -188,7 +188,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
     def lock_settings(self) -> LockSettings:
         """The settings that apply to this task in this process."""
-        return get_runtime(self.app).settings(self.name, self._lock_task_options())
+        return get_runtime(self.app).settings(self.name, self._lock_task_options)
 
     def request_keys(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RequestKeys:
         """The Redis keys of the request a call with these arguments works on."""
@@ -216,12 +216,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request_stack.top
         if request is not None and not request.called_directly:
-            result = self._call_locked(args, kwargs)
+            result = self._call_locked(args, kwargs, request)
         else:
             # A direct call: give the body a request context of its own, as Task.__call__ does.
             self.push_request(args=args, kwargs=kwargs)
             try:
-                result = self._call_locked(args, kwargs)
+                result = self._call_locked(args, kwargs, self.request_stack.top)
             finally:
                 self.pop_request()
         if isinstance(result, _Ignored):
@@ -231,13 +231,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
             raise result.exception
         return result
 
-    def _call_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any], request: Any) -> Any:
         # Per task, every microsecond here is the lock's cost: settings, the store and the
         # request are looked up once and handed on.
         runtime = get_runtime(self.app)
-        settings = runtime.settings(self.name, self._lock_task_options())
+        settings = runtime.settings(self.name, self._lock_task_options)
         keys = self._request_keys(settings, args, kwargs)
-        request = self.request
         holder = Holder(
             task_id=request.id or "",
             task_name=self.name,
@@ -247,9 +246,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         store = runtime.store_for(settings)
         token = new_token()
         try:
-            outcome = store.acquire(
-                keys, token, settings.ttl_ms, holder, max(settings.done_ttl_ms, settings.ttl_ms)
-            )
+            outcome = store.acquire(keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms)
         except LockStoreError as exc:
             return self._without_store(exc, settings, keys, args, kwargs)
 

@@ -20,7 +20,7 @@ from unittest import mock
 
 import pytest
 from celery import Celery, Task
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
@@ -654,3 +654,52 @@ def test_non_json_argument_under_the_default_key_is_not_published() -> None:
     ):
         by_digest.delay({1: object()})
     published.assert_not_called()
+
+
+def _reference_bind(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """What Signature.bind makes of a call, or the TypeError it raises."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return TypeError
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _plain(a: Any, b: Any, c: Any = 3) -> None: ...
+
+
+def _keyword_only(a: Any, *, b: Any) -> None: ...
+
+
+def _positional_only(a: Any, /, b: Any) -> None: ...
+
+
+def _var_positional(a: Any, *rest: Any) -> None: ...
+
+
+@settings(max_examples=300)
+@example(function=_plain, positional=[1, 2, 3], named={})
+@example(function=_plain, positional=[], named={"a": 1, "b": 2, "c": 3})
+@example(function=_plain, positional=[], named={"a": 1, "b": 2, "d": 3})
+@example(function=_plain, positional=[1, 2, 3, 4], named={})
+@given(
+    function=st.sampled_from([_plain, _keyword_only, _positional_only, _var_positional]),
+    positional=st.lists(st.integers(), max_size=4),
+    named=st.dictionaries(st.sampled_from(["a", "b", "c", "d", "rest"]), st.integers(), max_size=4),
+)
+def test_binding_a_call_matches_signature_bind(
+    function: Any, positional: list[int], named: dict[str, int]
+) -> None:
+    """Binding skips Signature.bind when every ordinary parameter is given all by position or
+    all by name; whatever the call, the result (or the refusal) is Signature.bind's."""
+    signature = inspect.signature(function)
+    derive = KeyDeriver.create("t", signature, None)
+    expected = _reference_bind(signature, tuple(positional), named)
+    if expected is TypeError:
+        with pytest.raises(LockKeyError):
+            derive.bind(tuple(positional), named)
+    else:
+        assert derive.bind(tuple(positional), named) == expected

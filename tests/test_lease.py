@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
+import pytest
 import redis
+from hypothesis import given
+from hypothesis import strategies as st
 
+from celery_lock import store as store_module
 from celery_lock.keys import RequestKeys
-from celery_lock.lease import Acquired, Done, Held, Holder, Lease, decode_lock, new_token
+from celery_lock.lease import (
+    Acquired,
+    Done,
+    Held,
+    Holder,
+    Lease,
+    LockEntry,
+    decode_lock,
+    new_token,
+)
 from celery_lock.store import LockStore
 
 HOLDER = Holder(task_id="task-1", task_name="shop.process", host="host-a", pid=101)
@@ -145,3 +159,40 @@ def test_tokens_are_128_bit_and_distinct() -> None:
     tokens = {new_token() for _ in range(1000)}
     assert len(tokens) == 1000
     assert all(len(token) == 32 for token in tokens)
+
+
+@pytest.mark.parametrize("packed_by_hiredis", [True, False], ids=["hiredis", "redis-py"])
+def test_a_lock_cycle_works_however_commands_are_packed(
+    lock_url: str, lock_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch, packed_by_hiredis: bool
+) -> None:
+    """LockStore packs its commands with hiredis itself where redis-py would use hiredis, and
+    leaves them to redis-py otherwise; both send the same bytes."""
+    if not packed_by_hiredis:
+        monkeypatch.setattr(store_module, "_pack_command", None)
+    store = LockStore.from_url(lock_url)
+    token = new_token()
+    assert acquire(store, token) == Acquired(fence=1)
+    assert store._packs is packed_by_hiredis
+    assert decode_lock(lock_redis.get(KEYS.lock)).holder == HOLDER
+    assert store.release(lease_for(store, token, 1), success=True, done_ttl_ms=60_000)
+    assert lock_redis.get(KEYS.done) == b"task-1"
+    assert not lock_redis.exists(KEYS.lock)
+    store.client.close()
+
+
+@given(
+    task_id=st.text(max_size=40),
+    task_name=st.text(min_size=1, max_size=20),
+    host=st.text(max_size=20),
+    pid=st.integers(min_value=0, max_value=2**22),
+    since=st.integers(min_value=0, max_value=2**45),
+)
+def test_holder_is_described_as_json_dumps_would(
+    task_id: str, task_name: str, host: str, pid: int, since: int
+) -> None:
+    holder = Holder(task_id=task_id, task_name=task_name, host=host, pid=pid)
+    described = holder.describe(since)
+    assert described == json.dumps(
+        {"task_id": task_id, "task": task_name, "host": host, "pid": pid, "since": since}
+    )
+    assert decode_lock(f"token 3 {described}") == LockEntry(fence=3, holder=holder, since_ms=since)
