@@ -5,6 +5,8 @@ Two ways in:
 - in-process (default): ``N`` calls of a no-op LockedTask's ``__call__`` exactly as the worker makes
   them (a request pushed, the real lock store), timed beside a plain task's, then once more
   under cProfile; prints microseconds per call and the functions that cost the most;
+- ``--stub-store``: the same, with every lock store command answered at once (as granted and
+  released) instead of sent: what is left is the library's own Python per call;
 - ``--worker KIND``: a real solo-pool worker run under cProfile while it drains ``N`` messages
   of ``plain``, ``locked`` or ``storm`` (ten copies per request id); prints the worker's profile,
   so Celery's own handling of each outcome (``Ignore`` for a skipped copy) is seen too.
@@ -12,6 +14,7 @@ Two ways in:
 ::
 
     python -m bench.profile --calls 5000
+    python -m bench.profile --stub-store --calls 20000
     python -m bench.profile --worker storm --calls 5000
 """
 
@@ -22,22 +25,27 @@ import cProfile
 import io
 import json
 import pstats
+import signal
 import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from celery import Celery, Task
 
 from celery_lock import LockedTask
 from celery_lock.runtime import reset_runtime
+from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer
 
 from .workers import LOCK_DB, bench_app, publish, running_worker
 
-#: What the printed profile keeps: the library, Celery's tracer, redis-py's command path.
+#: What the printed profile keeps by default: the library, Celery's tracer, redis-py's command
+#: path (``--focus .`` keeps everything).
 FOCUS = r"celery_lock|trace\.py|einfo|redis/client\.py|redis/connection\.py|tenacity|keys\.py"
 
 
@@ -61,8 +69,31 @@ def _calls(task: Task[Any, Any], count: int, first: int) -> float:
     return (time.perf_counter() - began) / count * 1e6
 
 
-def in_process(server: RedisServer, calls: int, rounds: int, top: int) -> dict[str, Any]:
+def in_process(
+    server: RedisServer,
+    calls: int,
+    rounds: int,
+    top: int,
+    focus: str = FOCUS,
+    stub_store: bool = False,
+) -> dict[str, Any]:
     """Time and profile ``LockedTask.__call__`` beside a plain task's, in this process."""
+    with ExitStack() as stack:
+        if stub_store:
+            stack.enter_context(mock.patch.object(LockStore, "_send", _answered_at_once))
+        return _in_process(server, calls, rounds, top, focus)
+
+
+def _answered_at_once(store: LockStore, *command: Any) -> int:
+    """Every command "succeeds" at once: 1 is a grant with fence 1, and a release of a lease
+    still owned; so only the library's own work is timed (a plain function, not a mock, whose
+    own calls would be timed too)."""
+    return 1
+
+
+def _in_process(
+    server: RedisServer, calls: int, rounds: int, top: int, focus: str
+) -> dict[str, Any]:
     app = Celery("bench-profile", broker=server.url_for(0), set_as_current=False)
     app.conf.celery_lock_redis_url = server.url_for(LOCK_DB)
     app.conf.task_ignore_result = True
@@ -93,11 +124,13 @@ def in_process(server: RedisServer, calls: int, rounds: int, top: int) -> dict[s
     return {
         "us_per_call": {k: statistics.median(v) for k, v in samples.items()},
         "samples": samples,
-        "profile": _top(profiler, top),
+        "profile": _top(profiler, top, focus),
     }
 
 
-def in_worker(server: RedisServer, kind: str, calls: int, top: int) -> dict[str, Any]:
+def in_worker(
+    server: RedisServer, kind: str, calls: int, top: int, focus: str = FOCUS
+) -> dict[str, Any]:
     """Run a solo worker under cProfile while it drains ``calls`` messages of ``kind``."""
     module = bench_app(server)
     task = {"plain": module.plain, "locked": module.locked, "storm": module.storm}[kind]
@@ -110,14 +143,14 @@ def in_worker(server: RedisServer, kind: str, calls: int, top: int) -> dict[str,
             drained = worker.drain(queue, 60 + calls / 20)
         stats = pstats.Stats(str(out))
     server.client(LOCK_DB).flushdb()
-    return {"kind": kind, "drain_s": drained.seconds, "profile": _top(stats, top)}
+    return {"kind": kind, "drain_s": drained.seconds, "profile": _top(stats, top, focus)}
 
 
-def _top(source: cProfile.Profile | pstats.Stats, top: int) -> str:
+def _top(source: cProfile.Profile | pstats.Stats, top: int, focus: str) -> str:
     text = io.StringIO()
     stats = source if isinstance(source, pstats.Stats) else pstats.Stats(source)
     stats.stream = text  # type: ignore[attr-defined]
-    stats.sort_stats("cumulative").print_stats(FOCUS, top)
+    stats.sort_stats("cumulative").print_stats(focus, top)
     return text.getvalue()
 
 
@@ -128,21 +161,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (in-process)")
     parser.add_argument("--top", type=int, default=30, help="functions to print")
     parser.add_argument("--worker", choices=("plain", "locked", "storm"))
+    parser.add_argument(
+        "--stub-store",
+        action="store_true",
+        help="in-process: answer lock store commands at once (times the library's own Python)",
+    )
+    parser.add_argument(
+        "--focus", default=FOCUS, help="regex of the files and functions to print ('.': all)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (for A/B scripts)")
     args = parser.parse_args(argv)
+    # SIGTERM (a test's timeout) unwinds like Ctrl-C: the worker and the server are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with RedisServer() as server:
         if args.worker:
-            result = in_worker(server, args.worker, args.calls, args.top)
+            result = in_worker(server, args.worker, args.calls, args.top, args.focus)
         else:
-            result = in_process(server, args.calls, args.rounds, args.top)
+            result = in_process(
+                server, args.calls, args.rounds, args.top, args.focus, args.stub_store
+            )
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "profile"}))
         return 0
     if "us_per_call" in result:
         per = result["us_per_call"]
+        stubbed = ", lock store stubbed" if args.stub_store else ""
         print(
             f"LockedTask.__call__ {per['locked']:.1f} µs, plain Task {per['plain']:.1f} µs "
-            f"(median of {args.rounds} rounds of {args.calls})"
+            f"(median of {args.rounds} rounds of {args.calls}{stubbed})"
         )
     else:
         print(

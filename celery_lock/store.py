@@ -260,8 +260,8 @@ class LockStore:
                 connection = self._own = _check_out(self.client.connection_pool)
                 self._packs = _packs_with_hiredis(connection)
             if self._packs:
-                # The bytes send_command would send, packed in one C call: a tenth of a
-                # round trip's client-side CPU less than going through redis-py's packer.
+                # The bytes send_command would send, packed in one C call: about 10 µs of
+                # CPU per command less than going through redis-py's packer (bench/).
                 connection.send_packed_command((_pack_command(command),))
             else:
                 connection.send_command(*command)

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICK_LIMIT = 300
 
 
-def run_bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "bench", *args]
+def run_bench(*args: str, cwd: Path, module: str = "bench") -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", module, *args]
     with subprocess.Popen(
         command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as proc:
@@ -38,7 +38,7 @@ def run_bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 stdout, stderr = proc.communicate()
-            pytest.fail(f"python -m bench --quick ran over {QUICK_LIMIT}s:\n{stderr[-4000:]}")
+            pytest.fail(f"{shlex.join(command[1:])} ran over {QUICK_LIMIT}s:\n{stderr[-4000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
@@ -76,3 +76,23 @@ def test_bench_command_lines_in_the_docs_parse() -> None:
     assert commands, "docs/benchmarks.md shows no bench command"
     for argv in commands:
         parse(argv)  # argparse exits (SystemExit) on anything it does not accept
+
+
+@pytest.mark.timeout(QUICK_LIMIT)
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--calls", "200", "--rounds", "1"], "LockedTask.__call__"),
+        (["--stub-store", "--calls", "200", "--rounds", "1"], "lock store stubbed"),
+        (["--worker", "storm", "--calls", "100"], "solo worker drained 100 storm messages"),
+    ],
+    ids=["in-process", "stubbed", "worker"],
+)
+def test_profile_prints_where_a_locked_task_spends_its_time(args: list[str], expected: str) -> None:
+    """``python -m bench.profile``, as docs/benchmarks.md shows it, with small sizes."""
+    done = run_bench(
+        *args, "--top", "10", "--focus", "celery_lock/", cwd=ROOT, module="bench.profile"
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert expected in done.stdout
+    assert "celery_lock/task.py" in done.stdout  # the library's own frames are in the profile
