@@ -23,6 +23,7 @@ from typing import Any
 from celery_lock.testing import RedisServer
 
 from . import endtoend, lockcycle, machine, memory, report, storm
+from .progress import note
 from .workers import CYCLE_DB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         for section in SECTIONS:
             if section not in args.only:
                 continue
-            print(f"[bench] {section} ...", file=sys.stderr, flush=True)
+            note(f"{section} ...")
             started = time.monotonic()
             if section == "lockcycle":
                 url = server.url_for(CYCLE_DB)
@@ -102,10 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         results["plot"] = str(plot_path)
     path = report.write_json(results, args.out_dir, results["mode"])
     print(report.render(results))
-    print(
-        f"[bench] {results['mode']} run took {results['seconds']} s; results: {path}",
-        file=sys.stderr,
-    )
+    note(f"{results['mode']} run took {results['seconds']} s; results: {path}")
     return 0
 
 

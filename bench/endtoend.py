@@ -97,7 +97,8 @@ def run(server: RedisServer, options: Options) -> dict[str, Any]:
                     publish(task, range(next_id, next_id + options.warmup), queue)
                     next_id += options.warmup
                     worker.drain(queue, options.timeout(options.warmup))
-                for number, order in rounds(list(tasks), options.rounds):
+                label = f"endtoend, {size} processes"
+                for number, order in rounds(list(tasks), options.rounds, label):
                     load.append(round(os.getloadavg()[0], 2))
                     for name in order:
                         queue = f"bench.e2e.{size}.{number}.{name}"

@@ -232,7 +232,7 @@ def run(url: str, options: Options) -> dict[str, Any]:
             _timed(cycle, 10_000_000, options.warmup)
             samples[name] = []
         next_key = 0
-        for _, order in rounds(list(cycles), options.rounds):
+        for _, order in rounds(list(cycles), options.rounds, "lockcycle"):
             for name in order:
                 samples[name].append(_timed(cycles[name], next_key, options.cycles))
                 next_key += options.cycles

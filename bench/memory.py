@@ -21,6 +21,7 @@ import redis
 
 from celery_lock.testing import RedisServer
 
+from .progress import note
 from .workers import LOCK_DB, BenchError, bench_app, publish, rss_kib, running_worker
 
 #: Name the bench's own connection to the lock store, so it is not counted as the worker's.
@@ -82,6 +83,7 @@ def _worker_run(
             publish(task, ids, queue)
             worker.wait_drained(queue, options.timeout(chunk))
             sample((number + 1) * chunk)
+            note(f"memory, {task.name}: {(number + 1) * chunk:,} of {options.tasks:,} tasks")
         same_pool = worker.pool_pids() == pool
         worker.stop_consuming(queue)
     first, last = rows[0], rows[-1]

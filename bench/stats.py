@@ -12,10 +12,17 @@ import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from .progress import note
 
-def rounds(names: Sequence[str], count: int) -> Iterator[tuple[int, list[str]]]:
-    """Yield ``(round, order)``: every name once per round, the order rotated each round."""
+
+def rounds(names: Sequence[str], count: int, label: str = "") -> Iterator[tuple[int, list[str]]]:
+    """Yield ``(round, order)``: every name once per round, the order rotated each round.
+
+    With a ``label``, each round is announced on stderr (``[bench] ... <label>: round 2 of 7``).
+    """
     for number in range(count):
+        if label:
+            note(f"{label}: round {number + 1} of {count}")
         shift = number % len(names) if names else 0
         yield number, [*names[shift:], *names[:shift]]
 

@@ -54,7 +54,7 @@ def run(server: RedisServer, options: Options) -> dict[str, Any]:
                 publish(task, range(next_id, next_id + 50), queue)
                 next_id += 50
                 worker.drain(queue, options.timeout())
-            for number, order in rounds([STORM, PLAIN], options.rounds):
+            for number, order in rounds([STORM, PLAIN], options.rounds, "storm"):
                 for name in order:
                     queue = f"bench.storm.{number}.{name.split()[0]}"
                     base, next_id = next_id, next_id + options.messages

@@ -63,6 +63,10 @@ def test_quick_bench_runs_every_section_and_writes_results(tmp_path: Path) -> No
     for heading in ("## Machine", "## Lock cycle", "## End to end", "## Duplicate storm"):
         assert heading in done.stdout
     assert "plot" not in results  # the quick run leaves docs/ alone
+    # Progress goes to stderr, round by round, so that a long run says where it is.
+    for line in ("lockcycle: round 1 of", "endtoend, 2 processes: round 3 of 3", "storm: round"):
+        assert line in done.stderr
+    assert "memory, " in done.stderr
 
 
 def test_bench_command_lines_in_the_docs_parse() -> None:
