@@ -9,19 +9,25 @@ Two ways in:
   released) instead of sent: what is left is the library's own Python per call;
 - ``--worker KIND``: a real solo-pool worker run under cProfile while it drains ``N`` messages
   of ``plain``, ``locked`` or ``storm`` (ten copies per request id); prints the worker's profile,
-  so Celery's own handling of each outcome (``Ignore`` for a skipped copy) is seen too.
+  so Celery's own handling of each outcome (``Ignore`` for a skipped copy) is seen too;
+- ``--worker KIND --sampler py-spy``: a real prefork worker (``--processes``) sampled by py-spy
+  while it drains, unchanged by the profiler: microseconds per task in the main process, in the
+  pool processes, inside celery-lock (round trips included) and in its own Python
+  (:mod:`bench.sampling`; py-spy needs ptrace: root, or ``kernel.yama.ptrace_scope=0``).
 
 ::
 
     python -m bench.profile --calls 5000
     python -m bench.profile --stub-store --calls 20000
     python -m bench.profile --worker storm --calls 5000
+    python -m bench.profile --worker locked --sampler py-spy --processes 2 --calls 6000
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -42,6 +48,7 @@ from celery_lock.runtime import reset_runtime
 from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer
 
+from .sampling import SamplerUnavailable, sampling, summarize
 from .workers import LOCK_DB, bench_app, publish, running_worker
 
 #: What the printed profile keeps by default: the library, Celery's tracer, redis-py's command
@@ -146,12 +153,48 @@ def in_worker(
     return {"kind": kind, "drain_s": drained.seconds, "profile": _top(stats, top, focus)}
 
 
+def sampled_worker(server: RedisServer, kind: str, calls: int, processes: int) -> dict[str, Any]:
+    """Sample a prefork worker with py-spy while it drains ``calls`` messages of ``kind``."""
+    module = bench_app(server)
+    task = {"plain": module.plain, "locked": module.locked, "storm": module.storm}[kind]
+    ids = [n % max(1, calls // 10) if kind == "storm" else n for n in range(calls)]
+    with tempfile.TemporaryDirectory(prefix="bench-py-spy-") as tmp:
+        out = Path(tmp, "stacks.txt")
+        with running_worker(server, module.app, processes) as worker:
+            warm = f"bench.profile.warm.{kind}"
+            publish(task, range(10**7, 10**7 + 200), warm)  # connections, scripts, imports
+            worker.drain(warm, 60)
+            queue = f"bench.profile.{kind}"
+            publish(task, ids, queue)
+            assert worker.process.pid is not None
+            with sampling(worker.process.pid, out):
+                time.sleep(1.0)  # py-spy attaches; the idle worker adds no samples meanwhile
+                drained = worker.drain(queue, 60 + calls / 20)
+        summary = summarize(out.read_text(), calls)
+    server.client(LOCK_DB).flushdb()
+    return {"kind": kind, "processes": processes, "drain_s": drained.seconds, "summary": summary}
+
+
 def _top(source: cProfile.Profile | pstats.Stats, top: int, focus: str) -> str:
     text = io.StringIO()
     stats = source if isinstance(source, pstats.Stats) else pstats.Stats(source)
     stats.stream = text  # type: ignore[attr-defined]
     stats.sort_stats("cumulative").print_stats(focus, top)
     return text.getvalue()
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    """The profile ``args`` ask for, on a redis-server of its own."""
+    with RedisServer() as server:
+        if args.worker and args.sampler == "py-spy":
+            result = sampled_worker(server, args.worker, args.calls, args.processes)
+        elif args.worker:
+            result = in_worker(server, args.worker, args.calls, args.top, args.focus)
+        else:
+            result = in_process(
+                server, args.calls, args.rounds, args.top, args.focus, args.stub_store
+            )
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (in-process)")
     parser.add_argument("--top", type=int, default=30, help="functions to print")
     parser.add_argument("--worker", choices=("plain", "locked", "storm"))
+    parser.add_argument(
+        "--sampler",
+        choices=("cprofile", "py-spy"),
+        default="cprofile",
+        help="with --worker: cProfile in a solo worker, or py-spy outside a prefork worker",
+    )
+    parser.add_argument(
+        "--processes", type=int, default=1, help="pool processes (--sampler py-spy)"
+    )
     parser.add_argument(
         "--stub-store",
         action="store_true",
@@ -173,16 +225,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # SIGTERM (a test's timeout) unwinds like Ctrl-C: the worker and the server are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    with RedisServer() as server:
-        if args.worker:
-            result = in_worker(server, args.worker, args.calls, args.top, args.focus)
-        else:
-            result = in_process(
-                server, args.calls, args.rounds, args.top, args.focus, args.stub_store
-            )
+    try:
+        result = _run(args)
+    except SamplerUnavailable as exc:
+        print(f"python -m bench.profile: {exc}", file=sys.stderr)
+        return 2
+    _show(args, result)
+    return 0
+
+
+def _show(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Print ``result``: its JSON (without the profile text), or the profile for a reader."""
     if args.json:
-        print(json.dumps({k: v for k, v in result.items() if k != "profile"}))
-        return 0
+        shown = {k: v for k, v in result.items() if k not in ("profile", "summary")}
+        if "summary" in result:
+            shown["summary"] = dataclasses.asdict(result["summary"])
+        print(json.dumps(shown))
+        return
+    if "summary" in result:
+        print(
+            f"prefork worker ({result['processes']} processes) drained {args.calls} "
+            f"{args.worker} messages in {result['drain_s']:.2f}s, sampled by py-spy"
+        )
+        print(result["summary"].render(args.top))
+        return
     if "us_per_call" in result:
         per = result["us_per_call"]
         stubbed = ", lock store stubbed" if args.stub_store else ""
@@ -196,7 +262,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{result['drain_s']:.2f}s (under cProfile)"
         )
     print(result["profile"])
-    return 0
 
 
 if __name__ == "__main__":

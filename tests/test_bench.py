@@ -9,6 +9,7 @@ its redis-server by pid, then SIGKILL.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from bench.sampling import summarize
 
 pytestmark = pytest.mark.worker
 
@@ -100,3 +103,40 @@ def test_profile_prints_where_a_locked_task_spends_its_time(args: list[str], exp
     assert done.returncode == 0, done.stderr[-4000:]
     assert expected in done.stdout
     assert "celery_lock/task.py" in done.stdout  # the library's own frames are in the profile
+
+
+@pytest.mark.timeout(QUICK_LIMIT)
+def test_py_spy_samples_a_prefork_worker_from_outside() -> None:
+    """``--sampler py-spy``: a real prefork worker, sampled while it drains, summed per task."""
+    done = run_bench(
+        "--worker", "locked", "--sampler", "py-spy", "--processes", "2", "--calls", "600",
+        "--json", cwd=ROOT, module="bench.profile",
+    )  # fmt: skip
+    if done.returncode == 2 and "py-spy" in done.stderr and os.environ.get("CI") != "true":
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)["summary"]
+    assert summary["main_us"] > 0
+    assert summary["pool_us"] >= summary["lock_us"] > summary["lock_own_us"] > 0
+    assert any("celery_lock/" in frame for frame, _ in summary["pool_top"])
+
+
+def test_py_spy_stacks_are_summed_per_process_kind_and_per_task() -> None:
+    """Main and pool processes told apart by their ``process`` frames; µs per task at 1 kHz."""
+    main = 'process 10:"celery worker";run (celery/worker.py:1);poll (kombu/hub.py:2)'
+    pool = 'process 10:"celery worker";process 11:"celery worker";loop (billiard/pool.py:3)'
+    lock = f"{pool};__call__ (celery_lock/task.py:4)"
+    raw = "\n".join(
+        [
+            f"{main} 300",
+            f"{pool};recv (billiard/connection.py:5) 100",
+            f"{lock};_send (celery_lock/store.py:6);sendall (redis/connection.py:7) 150",
+            f"{lock};build (celery_lock/keys.py:8) 50",
+        ]
+    )
+    summary = summarize(raw, tasks=100, rate=1000)  # one sample = 1 ms = 10 µs per task
+    assert summary.main_us == 3000
+    assert summary.pool_us == 3000
+    assert summary.lock_us == 2000
+    assert summary.lock_own_us == 500
+    assert summary.pool_top[0] == ("sendall (redis/connection.py:7)", 1500)
