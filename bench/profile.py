@@ -49,7 +49,7 @@ from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer
 
 from .sampling import SamplerUnavailable, sampling, summarize
-from .workers import LOCK_DB, bench_app, publish, running_worker
+from .workers import LOCK_DB, BenchError, bench_app, publish, running_worker
 
 #: What the printed profile keeps by default: the library, Celery's tracer, redis-py's command
 #: path (``--focus .`` keeps everything).
@@ -135,13 +135,18 @@ def _in_process(
     }
 
 
+def _messages(module: Any, kind: str, calls: int) -> tuple[Any, list[int]]:
+    """The task of ``kind`` and the request ids of ``calls`` messages (ten per id for storm)."""
+    task = {"plain": module.plain, "locked": module.locked, "storm": module.storm}[kind]
+    return task, [n % max(1, calls // 10) if kind == "storm" else n for n in range(calls)]
+
+
 def in_worker(
     server: RedisServer, kind: str, calls: int, top: int, focus: str = FOCUS
 ) -> dict[str, Any]:
     """Run a solo worker under cProfile while it drains ``calls`` messages of ``kind``."""
     module = bench_app(server)
-    task = {"plain": module.plain, "locked": module.locked, "storm": module.storm}[kind]
-    ids = [n % max(1, calls // 10) if kind == "storm" else n for n in range(calls)]
+    task, ids = _messages(module, kind, calls)
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
         out = Path(tmp, "worker.pstats")
         with running_worker(server, module.app, 1, pool="solo", profile_to=out) as worker:
@@ -156,8 +161,7 @@ def in_worker(
 def sampled_worker(server: RedisServer, kind: str, calls: int, processes: int) -> dict[str, Any]:
     """Sample a prefork worker with py-spy while it drains ``calls`` messages of ``kind``."""
     module = bench_app(server)
-    task = {"plain": module.plain, "locked": module.locked, "storm": module.storm}[kind]
-    ids = [n % max(1, calls // 10) if kind == "storm" else n for n in range(calls)]
+    task, ids = _messages(module, kind, calls)
     with tempfile.TemporaryDirectory(prefix="bench-py-spy-") as tmp:
         out = Path(tmp, "stacks.txt")
         with running_worker(server, module.app, processes) as worker:
@@ -166,7 +170,8 @@ def sampled_worker(server: RedisServer, kind: str, calls: int, processes: int) -
             worker.drain(warm, 60)
             queue = f"bench.profile.{kind}"
             publish(task, ids, queue)
-            assert worker.process.pid is not None
+            if worker.process.pid is None:
+                raise BenchError("the worker has no pid to sample")
             with sampling(worker.process.pid, out):
                 time.sleep(1.0)  # py-spy attaches; the idle worker adds no samples meanwhile
                 drained = worker.drain(queue, 60 + calls / 20)
