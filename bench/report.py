@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from .endtoend import LOCKED, PLAIN
+from .lockcycle import CELERY_LOCK, FLOOR_POOLED
+from .stats import Summary, paired_ratios
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -253,15 +255,17 @@ def headline(results: dict[str, Any]) -> list[str]:
     """The issue's goals, each with the figure that meets or misses it."""
     lines = []
     cycle = results.get("lockcycle")
-    if cycle and "celery-lock LockStore" in cycle["contenders"]:
+    if cycle and CELERY_LOCK in cycle["contenders"]:
         contenders = cycle["contenders"]
-        ratio = contenders["celery-lock LockStore"].get("ratio_to_floor")
+        ratio = contenders[CELERY_LOCK].get("ratio_to_floor")
         if ratio:
             line = f"lock cycle / floor: {ratio['median']:.3f} (goal ≥ 0.95)"
-            pooled = contenders.get("floor, through redis-py's pool", {}).get("ops_per_s")
-            if pooled:
-                own = contenders["celery-lock LockStore"]["ops_per_s"]["median"]
-                line += f"; / the floor through redis-py's pool: {own / pooled['median']:.3f}"
+            if FLOOR_POOLED in contenders:
+                # Paired by round, as every other ratio here.
+                pooled = paired_ratios(
+                    contenders[CELERY_LOCK]["samples"], contenders[FLOOR_POOLED]["samples"]
+                )
+                line += f"; / the floor through redis-py's pool: {Summary.of(pooled).median:.3f}"
             lines.append(line)
     e2e = results.get("endtoend")
     if e2e:
