@@ -36,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -85,10 +85,9 @@ def in_process(
     stub_store: bool = False,
 ) -> dict[str, Any]:
     """Time and profile ``LockedTask.__call__`` beside a plain task's, in this process."""
-    with ExitStack() as stack:
-        if stub_store:
-            stack.enter_context(mock.patch.object(LockStore, "_send", _answered_at_once))
-        return _in_process(server, calls, rounds, top, focus)
+    stub = mock.patch.object(LockStore, "_send", _answered_at_once)
+    with stub if stub_store else nullcontext():
+        return _profile_calls(server, calls, rounds, top, focus)
 
 
 def _answered_at_once(store: LockStore, *command: Any) -> int:
@@ -98,7 +97,7 @@ def _answered_at_once(store: LockStore, *command: Any) -> int:
     return 1
 
 
-def _in_process(
+def _profile_calls(
     server: RedisServer, calls: int, rounds: int, top: int, focus: str
 ) -> dict[str, Any]:
     app = Celery("bench-profile", broker=server.url_for(0), set_as_current=False)
