@@ -28,7 +28,7 @@ import redis
 from celery_lock.testing import RedisServer
 
 from .stats import Summary, paired_ratios, rounds
-from .workers import LOCK_DB, bench_app, cpu_seconds, publish, running_worker
+from .workers import LOCK_DB, ROLES, bench_app, cpu_seconds, publish, running_worker
 
 PLAIN = "plain Task"
 LOCKED = "celery-lock"
@@ -88,7 +88,13 @@ def run(server: RedisServer, options: Options) -> dict[str, Any]:
         for size in options.processes:
             load: list[float] = []  # 1-minute load average as each round starts
             samples: dict[str, dict[str, list[float]]] = {
-                name: {"publish_s": [], "drain_s": [], "publish_cpu_s": [], "drain_cpu_s": []}
+                name: {
+                    "publish_s": [],
+                    "drain_s": [],
+                    "publish_cpu_s": [],
+                    "drain_cpu_s": [],
+                    **{f"drain_cpu_{role}_s": [] for role in ROLES},
+                }
                 for name in tasks
             }
             with running_worker(server, module.app, size) as worker:
@@ -111,6 +117,8 @@ def run(server: RedisServer, options: Options) -> dict[str, Any]:
                         drained = worker.drain(queue, options.timeout(options.tasks))
                         samples[name]["drain_s"].append(drained.seconds)
                         samples[name]["drain_cpu_s"].append(drained.cpu_seconds)
+                        for role, seconds in drained.cpu_by_role.items():
+                            samples[name][f"drain_cpu_{role}_s"].append(seconds)
             by_size[str(size)] = {
                 "contenders": _summarize(samples, options.tasks),
                 "load_by_round": load,
@@ -156,5 +164,14 @@ def _summarize(samples: dict[str, dict[str, list[float]]], count: int) -> dict[s
             if plain is not None:
                 ratios = paired_ratios(values, plain[metric])
                 entry[f"{metric}_ratio"] = Summary.of(ratios).as_dict()
+        # Where the worker's CPU goes, µs per task: the lock's round trips are paid in the pool
+        # processes and the redis-server, while the main process (the broker's side) is the
+        # one a small worker is bound by.
+        entry["worker_cpu_us_by_role"] = {
+            role: Summary.of(
+                [t / count * 1e6 for t in samples[name][f"drain_cpu_{role}_s"]]
+            ).as_dict()
+            for role in ROLES
+        }
         out[name] = entry
     return out

@@ -10,6 +10,10 @@ same server and in the same rounds:
   done-marker), alone and with the lease handed to the per-process heartbeat as LockedTask does;
 - celery-lock's two scripts by bare ``EVALSHA``, sent as the floor is (no library code: what the
   server's work and the bigger payload cost on their own);
+- the *scripted floor*: the floor with its ``SET NX PX`` run inside a script, so two ``EVALSHA``
+  that do nothing else. The contract makes the grant a script (done-marker check, fence and lease
+  in one atomic step); this row is the least such a lock can cost, and splits the gap between the
+  floor and celery-lock into what a scripted grant costs and what the grant's own work costs;
 - redis-py's ``Lock``, python-redis-lock's ``Lock`` (with and without ``auto_renewal``, which
   starts a thread per acquisition) and pottery's ``Redlock`` (one master).
 """
@@ -34,6 +38,7 @@ FLOOR = "floor: SET NX PX + EVALSHA"
 FLOOR_POOLED = "floor, through redis-py's pool"
 CELERY_LOCK = "celery-lock LockStore"
 BARE = "celery-lock scripts, bare EVALSHA"
+SCRIPTED_FLOOR = "scripted floor: EVALSHA (SET NX PX) + EVALSHA"
 
 #: A redis-py Lock's release: compare the token, delete.
 COMPARE_AND_DELETE = """
@@ -41,6 +46,11 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
     return redis.call('DEL', KEYS[1])
 end
 return 0
+"""
+
+#: The scripted floor's grant: the floor's SET NX PX, inside a script.
+SET_NX_PX = """
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
 """
 
 TTL_MS = 60_000
@@ -76,6 +86,20 @@ def _floor(store: LockStore, stack: ExitStack) -> Cycle:
         if send("SET", key, token, "NX", "PX", TTL_MS) is None:
             raise RuntimeError(f"{key} was taken")
         send("EVALSHA", sha, 1, key, token)
+
+    return cycle
+
+
+def _scripted_floor(store: LockStore, stack: ExitStack) -> Cycle:
+    grant = store.client.script_load(SET_NX_PX)
+    release = store.client.script_load(COMPARE_AND_DELETE)
+    send = store._send  # as the floor sends
+
+    def cycle(n: int) -> None:
+        key, token = f"bench:scripted-floor:{n}", secrets.token_hex(16)
+        if send("EVALSHA", grant, 1, key, token, TTL_MS) is None:
+            raise RuntimeError(f"{key} was taken")
+        send("EVALSHA", release, 1, key, token)
 
     return cycle
 
@@ -194,6 +218,7 @@ def _pottery(store: LockStore, stack: ExitStack) -> Cycle:
 
 CONTENDERS: dict[str, Callable[[LockStore, ExitStack], Cycle]] = {
     FLOOR: _floor,
+    SCRIPTED_FLOOR: _scripted_floor,
     FLOOR_POOLED: _floor_pooled,
     CELERY_LOCK: _celery_lock,
     "celery-lock LockStore + heartbeat": _celery_lock_heartbeat,
@@ -257,12 +282,17 @@ def server_time_per_cycle(url: str, cycles: int = 2000) -> dict[str, float]:
     """Microseconds the *server* spends per cycle (``INFO commandstats``): floor vs celery-lock.
 
     Tells the scripts' own work apart from the client's: the floor runs a SET and a two-command
-    script, celery-lock's acquire script runs five commands and its release script three.
+    script, the scripted floor a one-command and a two-command script, celery-lock's acquire
+    script five commands and its release script three.
     """
     store = LockStore.from_url(url)
     client = store.client
     # What the client sends; a script's time includes the commands it runs.
-    sent = {FLOOR: ("cmdstat_set", "cmdstat_evalsha"), BARE: ("cmdstat_evalsha",)}
+    sent = {
+        FLOOR: ("cmdstat_set", "cmdstat_evalsha"),
+        SCRIPTED_FLOOR: ("cmdstat_evalsha",),
+        BARE: ("cmdstat_evalsha",),
+    }
     found: dict[str, float] = {}
     with ExitStack() as stack:
         stack.callback(client.close)

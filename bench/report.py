@@ -11,6 +11,7 @@ from typing import Any
 from .endtoend import LOCKED, PLAIN
 from .lockcycle import CELERY_LOCK, FLOOR_POOLED
 from .stats import Summary, paired_ratios
+from .workers import ROLES
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -40,6 +41,11 @@ def _is_number(text: str) -> bool:
 def _cpu_us(rate: dict[str, float] | None) -> str:
     """Microseconds of CPU per task, from a tasks-per-CPU-second summary."""
     return f"{1e6 / rate['median']:,.0f}" if rate else "-"
+
+
+def _us(summary: dict[str, float]) -> str:
+    """A median in microseconds, with its range."""
+    return f"{summary['median']:,.0f} ({summary['low']:,.0f}..{summary['high']:,.0f})"
 
 
 def _ratio(summary: dict[str, float] | None) -> str:
@@ -142,6 +148,16 @@ def endtoend_table(result: dict[str, Any]) -> str:
             "plain's / this",
         ],
         cpu_rows,
+    )
+    text += "\n\nWorker CPU per task by process, µs (median):"
+    text += "\n\n" + table(
+        ["processes", "task", *ROLES],
+        [
+            (size, name, *(_us(c["worker_cpu_us_by_role"][role]) for role in ROLES))
+            for size, entry in result["by_processes"].items()
+            for name, c in entry["contenders"].items()
+            if "worker_cpu_us_by_role" in c
+        ],
     )
     for name, error in result["unavailable"].items():
         text += f"\n\n{name} did not run: `{error}`"

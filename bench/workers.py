@@ -68,6 +68,10 @@ def bench_app(server: RedisServer) -> Any:
     return module
 
 
+#: The processes whose CPU a drain adds up, in the order reports show them.
+ROLES = ("main", "pool", "redis-server")
+
+
 @dataclass(frozen=True)
 class Drain:
     """One queue drained: wall seconds, and CPU seconds of the worker and the redis-server.
@@ -77,7 +81,14 @@ class Drain:
     """
 
     seconds: float
-    cpu_seconds: float
+    #: CPU seconds by process (:data:`ROLES`): the worker's main process, its pool processes
+    #: together, and the redis-server (broker and lock store).
+    cpu_by_role: dict[str, float]
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU seconds of the worker's processes and the redis-server together."""
+        return sum(self.cpu_by_role.values())
 
 
 @dataclass
@@ -127,10 +138,14 @@ class Worker:
                 )
             time.sleep(POLL)
 
-    def cpu_seconds(self) -> float:
-        """CPU used so far by the worker's processes and the redis-server."""
-        pids = [self.process.pid, *self.process.child_pids(), self.server_pid]
-        return sum(cpu_seconds(pid) for pid in pids if pid is not None)
+    def cpu_by_role(self) -> dict[str, float]:
+        """CPU used so far by the worker's main process, its pool and the redis-server."""
+        pids = {
+            "main": [self.process.pid],
+            "pool": self.process.child_pids(),
+            "redis-server": [self.server_pid],
+        }
+        return {role: sum(cpu_seconds(p) for p in pids[role] if p is not None) for role in ROLES}
 
     def drain(self, queue: str, timeout: float) -> Drain:
         """Consume ``queue`` until it is done, from its first delivery to its end.
@@ -146,9 +161,10 @@ class Worker:
             if time.monotonic() > deadline:
                 raise BenchError(f"{queue}: no message taken in {timeout:.0f}s")
             time.sleep(POLL / 5)
-        began, cpu = time.perf_counter(), self.cpu_seconds()
+        began, cpu = time.perf_counter(), self.cpu_by_role()
         self.wait_drained(queue, timeout)
-        drained = Drain(time.perf_counter() - began, self.cpu_seconds() - cpu)
+        seconds, after = time.perf_counter() - began, self.cpu_by_role()
+        drained = Drain(seconds, {role: after[role] - cpu[role] for role in ROLES})
         self.stop_consuming(queue)
         return drained
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.lockcycle import FLOOR, SCRIPTED_FLOOR
 from bench.sampling import summarize
 
 pytestmark = pytest.mark.worker
@@ -63,6 +64,16 @@ def test_quick_bench_runs_every_section_and_writes_results(tmp_path: Path) -> No
     assert store["keys"]["done_markers"] == store["keys"]["fences"] > 0
     left = results["endtoend"]["by_processes"]
     assert all(sizes["left_in_store"]["celery-lock leases"] == 0 for sizes in left.values())
+    # The scripted floor ran, and the server's time was read for it as for the floor.
+    cycle = results["lockcycle"]
+    assert SCRIPTED_FLOOR in cycle["contenders"]
+    assert cycle["server_us_per_cycle"][FLOOR] > 0
+    assert cycle["server_us_per_cycle"][SCRIPTED_FLOOR] > 0
+    # Every drain's CPU is split by process; the main process always works.
+    for sizes in left.values():
+        by_role = sizes["contenders"]["celery-lock"]["worker_cpu_us_by_role"]
+        assert set(by_role) == {"main", "pool", "redis-server"}
+        assert by_role["main"]["median"] > 0
     for heading in ("## Machine", "## Lock cycle", "## End to end", "## Duplicate storm"):
         assert heading in done.stdout
     assert "plot" not in results  # the quick run leaves docs/ alone
