@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .endtoend import LOCKED, PLAIN
-from .lockcycle import CELERY_LOCK, FLOOR_POOLED
+from .lockcycle import CELERY_LOCK, FLOOR_POOLED, SCRIPTED_FLOOR
 from .stats import Summary, paired_ratios
 from .workers import ROLES
 
@@ -276,12 +276,19 @@ def headline(results: dict[str, Any]) -> list[str]:
         ratio = contenders[CELERY_LOCK].get("ratio_to_floor")
         if ratio:
             line = f"lock cycle / floor: {ratio['median']:.3f} (goal ≥ 0.95)"
-            if FLOOR_POOLED in contenders:
-                # Paired by round, as every other ratio here.
-                pooled = paired_ratios(
-                    contenders[CELERY_LOCK]["samples"], contenders[FLOOR_POOLED]["samples"]
-                )
-                line += f"; / the floor through redis-py's pool: {Summary.of(pooled).median:.3f}"
+            for other, label in (
+                (SCRIPTED_FLOOR, "the scripted floor"),
+                (FLOOR_POOLED, "the floor through redis-py's pool"),
+            ):
+                if other in contenders:
+                    # Paired by round, as every other ratio here.
+                    paired = paired_ratios(
+                        contenders[CELERY_LOCK]["samples"], contenders[other]["samples"]
+                    )
+                    line += f"; / {label}: {Summary.of(paired).median:.3f}"
+            scripted = contenders.get(SCRIPTED_FLOOR, {}).get("ratio_to_floor")
+            if scripted:
+                line += f" (the scripted floor / floor: {scripted['median']:.3f})"
             lines.append(line)
     e2e = results.get("endtoend")
     if e2e:
