@@ -278,12 +278,14 @@ def run(url: str, options: Options) -> dict[str, Any]:
     }
 
 
-def server_time_per_cycle(url: str, cycles: int = 2000) -> dict[str, float]:
-    """Microseconds the *server* spends per cycle (``INFO commandstats``): floor vs celery-lock.
+def server_time_per_cycle(url: str, cycles: int = 2000, repeats: int = 7) -> dict[str, float]:
+    """Microseconds the *server* spends per cycle (``INFO commandstats``), median of
+    ``repeats`` runs of ``cycles`` each, the contenders alternating.
 
     Tells the scripts' own work apart from the client's: the floor runs a SET and a two-command
     script, the scripted floor a one-command and a two-command script, celery-lock's acquire
-    script five commands and its release script three.
+    script five commands and its release script three. One run is a few milliseconds of server
+    time, which a hiccup of the machine would skew; hence the median.
     """
     store = LockStore.from_url(url)
     client = store.client
@@ -293,16 +295,21 @@ def server_time_per_cycle(url: str, cycles: int = 2000) -> dict[str, float]:
         SCRIPTED_FLOOR: ("cmdstat_evalsha",),
         BARE: ("cmdstat_evalsha",),
     }
-    found: dict[str, float] = {}
+    found: dict[str, list[float]] = {name: [] for name in sent}
     with ExitStack() as stack:
         stack.callback(client.close)
-        for name, commands in sent.items():
-            cycle = CONTENDERS[name](store, stack)
-            cycle(-2)
-            client.config_resetstat()
-            for n in range(20_000_000, 20_000_000 + cycles):
-                cycle(n)
-            stats: dict[str, Any] = client.info("commandstats")
-            found[name] = sum(int(stats.get(c, {}).get("usec", 0)) for c in commands) / cycles
+        cycles_of = {name: CONTENDERS[name](store, stack) for name in sent}
+        next_key = 20_000_000
+        for _ in range(repeats):
+            for name, commands in sent.items():
+                cycle = cycles_of[name]
+                cycle(-2)
+                client.config_resetstat()
+                for n in range(next_key, next_key + cycles):
+                    cycle(n)
+                next_key += cycles
+                stats: dict[str, Any] = client.info("commandstats")
+                used = sum(int(stats.get(c, {}).get("usec", 0)) for c in commands)
+                found[name].append(used / cycles)
         client.flushdb()
-    return found
+    return {name: Summary.of(values).median for name, values in found.items()}
