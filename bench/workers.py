@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,7 +140,7 @@ class Worker:
 
     def cpu_by_role(self) -> dict[str, float]:
         """CPU used so far by the worker's main process, its pool and the redis-server."""
-        pids = {
+        pids: dict[str, Sequence[int | None]] = {
             "main": [self.process.pid],
             "pool": self.process.child_pids(),
             "redis-server": [self.server_pid],
