@@ -30,6 +30,7 @@ from typing import Any
 from celery_lock.heartbeat import Heartbeat
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.scripts import ACQUIRE, RELEASE
 from celery_lock.store import LockStore
 
 from .stats import Summary, paired_ratios, rounds
@@ -175,41 +176,33 @@ def _celery_lock_heartbeat(store: LockStore, stack: ExitStack) -> Cycle:
     return cycle
 
 
-def _bare_scripts(store: LockStore, stack: ExitStack) -> Cycle:
-    client, scripts = store.client, store.scripts
-    for script in (scripts.acquire, scripts.release):
-        client.script_load(script.script)
-    acquire, release = scripts.acquire.sha, scripts.release.sha
-    holder = HOLDER
-    send = store._send  # as the floor sends
+def _scripts_by_evalsha(
+    acquire_script: str, release_script: str, tag: str
+) -> Callable[[LockStore, ExitStack], Cycle]:
+    """A cycle of an acquire and a release script with celery-lock's keys and arguments, sent
+    by bare ``EVALSHA`` the way the floor sends its commands (no library code around them)."""
 
-    def cycle(n: int) -> None:
-        keys = RequestKeys.build("bench", "bare", str(n), "bench.cycle")
-        token = new_token()
-        described = holder.describe(int(time.time() * 1000))
-        send("EVALSHA", acquire, 3, keys.lock, keys.fence, keys.done, token, TTL_MS, described,
-             DONE_TTL_MS)  # fmt: skip
-        send("EVALSHA", release, 2, keys.lock, keys.done, token, DONE_TTL_MS, "success",
-             holder.task_id)  # fmt: skip
+    def setup(store: LockStore, stack: ExitStack) -> Cycle:
+        acquire = store.client.script_load(acquire_script)
+        release = store.client.script_load(release_script)
+        send = store._send
 
-    return cycle
+        def cycle(n: int) -> None:
+            keys = RequestKeys.build("bench", tag, str(n), "bench.cycle")
+            token = new_token()
+            described = HOLDER.describe(int(time.time() * 1000))
+            send("EVALSHA", acquire, 3, keys.lock, keys.fence, keys.done, token, TTL_MS,
+                 described, DONE_TTL_MS)  # fmt: skip
+            send("EVALSHA", release, 2, keys.lock, keys.done, token, DONE_TTL_MS, "success",
+                 HOLDER.task_id)  # fmt: skip
+
+        return cycle
+
+    return setup
 
 
-def _lean_scripts(store: LockStore, stack: ExitStack) -> Cycle:
-    acquire = store.client.script_load(LEAN_ACQUIRE)
-    release = store.client.script_load(LEAN_RELEASE)
-    send = store._send  # as the floor sends
-
-    def cycle(n: int) -> None:
-        keys = RequestKeys.build("bench", "lean", str(n), "bench.cycle")
-        token = new_token()
-        described = HOLDER.describe(int(time.time() * 1000))
-        send("EVALSHA", acquire, 3, keys.lock, keys.fence, keys.done, token, TTL_MS, described,
-             DONE_TTL_MS)  # fmt: skip
-        send("EVALSHA", release, 2, keys.lock, keys.done, token, DONE_TTL_MS, "success",
-             HOLDER.task_id)  # fmt: skip
-
-    return cycle
+_bare_scripts = _scripts_by_evalsha(ACQUIRE, RELEASE, "bare")
+_lean_scripts = _scripts_by_evalsha(LEAN_ACQUIRE, LEAN_RELEASE, "lean")
 
 
 def _redis_py(store: LockStore, stack: ExitStack) -> Cycle:
