@@ -161,10 +161,10 @@ class Worker:
             if time.monotonic() > deadline:
                 raise BenchError(f"{queue}: no message taken in {timeout:.0f}s")
             time.sleep(POLL / 5)
-        began, cpu = time.perf_counter(), self.cpu_by_role()
+        began, before = time.perf_counter(), self.cpu_by_role()
         self.wait_drained(queue, timeout)
         seconds, after = time.perf_counter() - began, self.cpu_by_role()
-        drained = Drain(seconds, {role: after[role] - cpu[role] for role in ROLES})
+        drained = Drain(seconds, {role: after[role] - before[role] for role in ROLES})
         self.stop_consuming(queue)
         return drained
 
