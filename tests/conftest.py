@@ -8,22 +8,28 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController, start_worker
+from celery.result import AsyncResult
 from celery.worker import state as worker_state
 
+from celery_lock import SKIPPED
 from celery_lock.testing import CeleryWorker, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # Databases on the session server, one role each.
 BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -133,6 +139,30 @@ def close_producer(app: Celery) -> None:
     if consumer is not None:
         consumer.stop()
     app.close()
+
+
+def wait_for(what: str, probe: Callable[[], T], timeout: float = 30.0) -> T:
+    """Poll ``probe`` until it returns a true value, and return that value; fail the test,
+    naming ``what``, once ``timeout`` seconds have passed without one."""
+    deadline = time.monotonic() + timeout
+    while not (value := probe()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def settle(results: list[AsyncResult[Any]], timeout: float = 30.0) -> Counter[str]:
+    """Wait (bounded) until every copy is SUCCESS, SKIPPED or FAILURE; count their states."""
+    pending = list(results)
+
+    def settled() -> bool:
+        nonlocal pending
+        pending = [r for r in pending if r.state not in ("SUCCESS", SKIPPED, "FAILURE")]
+        return not pending
+
+    wait_for(f"{len(results)} copies to settle", settled, timeout)
+    return Counter(result.state for result in results)
 
 
 @pytest.fixture

@@ -16,12 +16,12 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery
-from conftest import close_producer
+from conftest import close_producer, wait_for
 
 from celery_lock.fencing import FencedValue, fenced_get, fenced_set
 from celery_lock.keys import RequestKeys
@@ -35,17 +35,6 @@ TASK = "lost.write"
 TTL = 1.5
 INTERVAL = TTL / 3
 WAIT = 20.0
-
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = WAIT) -> T:
-    """Poll ``probe`` until it returns something other than ``None`` (bounded)."""
-    deadline = time.monotonic() + timeout
-    while (found := probe()) is None:
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return found
 
 
 @pytest.fixture
@@ -144,7 +133,7 @@ def test_paused_holder_finds_its_lease_lost_and_its_fenced_write_rejected(
         os.kill(pid, signal.SIGSTOP)  # the whole pool process: its heartbeat thread too
         try:
             stopped = time.monotonic()
-            wait_for("the lease to lapse", lambda: None if locks.exists(lock_key) else True)
+            wait_for("the lease to lapse", lambda: not locks.exists(lock_key))
             lapsed_after = time.monotonic() - stopped
             newer = producer.send_task(TASK, args=(7, "from-newer"))
             assert newer.get(timeout=WAIT) is True

@@ -29,6 +29,7 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 from celery.states import READY_STATES
+from conftest import wait_for
 
 from celery_lock import SKIPPED, follow
 from celery_lock.testing import CeleryWorker
@@ -126,16 +127,6 @@ class Record:
         return self._entries("fault:skipped")
 
 
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return value
-
-
 def wait_started(record: Record, count: int = 1) -> dict[str, Any]:
     """The ``count``-th started entry, once a body has written it."""
 
@@ -143,7 +134,7 @@ def wait_started(record: Record, count: int = 1) -> dict[str, Any]:
         started = record.started()
         return started[count - 1] if len(started) >= count else None
 
-    return dict(wait_for(nth, f"body start #{count}"))
+    return dict(wait_for(f"body start #{count}", nth))
 
 
 def wait_state(result: AsyncResult[Any], state: str, timeout: float = TIMEOUT) -> set[str]:
@@ -181,8 +172,8 @@ def wait_redelivered_copy_deferred(record: Record, task_id: str) -> None:
     """Wait until the forced redelivery of the one running body is handled; check it was
     deferred (not run alongside, not skipped)."""
     wait_for(
-        lambda: record.deferred() or record.skipped() or len(record.started()) > 1,
         "the redelivered copy to arrive",
+        lambda: record.deferred() or record.skipped() or len(record.started()) > 1,
     )
     assert len(record.started()) == 1, "the redelivered copy ran alongside the original"
     assert record.skipped() == [], "the redelivered copy was skipped"
@@ -310,7 +301,7 @@ def test_redelivered_running_message_is_deferred_never_run_alongside(
     wait_redelivered_copy_deferred(record, result.id)
     # Neither RETRY nor SKIPPED ever shows: the running original's state is left alone.
     assert wait_state(result, "SUCCESS") <= {"PENDING", "STARTED", "SUCCESS"}
-    wait_for(lambda: broker_idle(broker), "the deferred copies to be acked")
+    wait_for("the deferred copies to be acked", lambda: broker_idle(broker))
     # The last deferred copy found the request done by its own task id: acked, SUCCESS kept.
     assert AsyncResult(result.id, app=producer).state == "SUCCESS"
     assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(result.id, 1)]
@@ -348,7 +339,7 @@ def test_countdown_message_and_its_same_id_duplicate_run_once(
     result = AsyncResult(task_id, app=producer)
 
     assert wait_state(result, "SUCCESS") <= {"PENDING", "STARTED", "SUCCESS"}
-    wait_for(lambda: broker_idle(broker), "the duplicate to be acked")
+    wait_for("the duplicate to be acked", lambda: broker_idle(broker))
     assert AsyncResult(task_id, app=producer).state == "SUCCESS"
     assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(task_id, 1)]
     assert record.skipped() == []

@@ -40,7 +40,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController
-from celery.result import AsyncResult
+from conftest import settle, wait_for
 
 from celery_lock import (
     SKIPPED,
@@ -67,13 +67,6 @@ FENCE_TTL_MS = 60_000
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = TIMEOUT, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"not in {timeout}s: {what or predicate}"
-        time.sleep(0.02)
 
 
 def command_calls(client: redis.Redis) -> Counter[str]:
@@ -404,16 +397,6 @@ def recorded(env: dict[str, str], key: str) -> list[dict[str, Any]]:
         client.close()
 
 
-def settle(results: list[AsyncResult[Any]], timeout: float = 30.0) -> Counter[str]:
-    deadline = time.monotonic() + timeout
-    pending = list(results)
-    while pending:
-        pending = [r for r in pending if r.state not in ("SUCCESS", SKIPPED, "FAILURE")]
-        assert time.monotonic() < deadline, f"{len(pending)} copies unsettled"
-        time.sleep(0.1)
-    return Counter(result.state for result in results)
-
-
 @pytest.mark.worker
 def test_store_down_defers_in_prefork_worker_then_each_request_runs_once(
     lock_server: RedisServer, store_worker: Any, store_env: dict[str, str], producer: Celery
@@ -434,7 +417,7 @@ def test_store_down_defers_in_prefork_worker_then_each_request_runs_once(
         counts = Counter(d["task_id"] for d in recorded(store_env, "store:deferred"))
         return all(counts[task_id] >= 2 for task_id in ids)
 
-    wait_for(deferred_twice, what="every copy deferred twice")
+    wait_for("every copy deferred twice", deferred_twice)
     assert [run["request_idx"] for run in recorded(store_env, "store:runs")] == [-1]
     assert {d["reason"] for d in recorded(store_env, "store:deferred")} == {"store-unavailable"}
     assert {copy.state for copy in copies} <= {"PENDING", "RETRY"}
@@ -485,7 +468,7 @@ def test_fail_closed_in_process_defers_with_reason_and_runs_once_when_back(
 ) -> None:
     lock_server.stop()
     result = tasks["work"].delay(7)
-    wait_for(lambda: len(deferred) >= 2, what="two deferrals")
+    wait_for("two deferrals", lambda: len(deferred) >= 2)
     assert bodies.runs == []
     assert result.state == "RETRY"
     assert {d["reason"] for d in deferred} == {"store-unavailable"}
@@ -517,7 +500,7 @@ def test_store_down_mid_run_loses_lease_after_ttl_and_task_still_succeeds(
         assert bodies.started.wait(TIMEOUT)
         stopped = time.monotonic()
         lock_server.stop()
-        wait_for(lambda: bool(lost), what="lock_lost")
+        wait_for("lock_lost", lambda: lost)
         bodies.proceed.set()
         assert result.get(timeout=TIMEOUT) is True  # the body saw request.lock_lost
     finally:
@@ -544,7 +527,7 @@ def test_store_down_mid_run_in_prefork_worker_nothing_crashes(
     children = worker.child_pids()
     admin = lock_server.client()
     result = app.send_task("store.work", args=(1,), kwargs={"seconds": 3.0})
-    wait_for(lambda: bool(admin.exists("celery-lock:{store.work:1}:lock")), what="acquired")
+    wait_for("the lease", lambda: admin.exists("celery-lock:{store.work:1}:lock"))
     admin.close()
     time.sleep(0.5)  # a heartbeat or two confirm the lease
     lock_server.stop()
@@ -771,7 +754,7 @@ def test_garbage_mid_run_loses_the_lease_and_the_task_succeeds(
     keys = tasks["slow"].request_keys((7,), {})
     admin.delete(keys.lock)
     admin.rpush(keys.lock, "garbage")  # overwritten by someone else
-    wait_for(lambda: bool(logs.messages(logging.ERROR, "lost while task")), what="lost")
+    wait_for("the lost lease logged", lambda: logs.messages(logging.ERROR, "lost while task"))
     bodies.proceed.set()
     assert result.get(timeout=TIMEOUT) is True
     assert logs.messages(logging.ERROR, "cannot extend the lease")

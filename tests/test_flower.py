@@ -14,19 +14,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery
 from celery.result import AsyncResult
-from conftest import close_producer
+from conftest import close_producer, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from celery_lock import SKIPPED
@@ -37,19 +36,6 @@ pytestmark = pytest.mark.worker
 ROOT = Path(__file__).resolve().parent.parent
 APP = "tests.apps.storm_app"
 TIMEOUT = 30.0
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = TIMEOUT) -> T:
-    """Poll ``probe`` until it returns a true value, and return that; bounded."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 class Flower:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
+from conftest import wait_for
 from redis.connection import SSLConnection
 
 from celery_lock import SKIPPED, LockedTask
@@ -92,10 +92,7 @@ def test_logs_carry_key_and_task_id_never_arguments(
     first = tasks["process"].delay(7, email=secret)
     first.get(timeout=20)
     copy = tasks["process"].delay(7, email=secret)
-    deadline = time.monotonic() + 20
-    while copy.state != SKIPPED and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert copy.state == SKIPPED
+    wait_for("the copy to be SKIPPED", lambda: copy.state == SKIPPED)
     ours = [r.getMessage() for r in caplog.records if r.name.startswith("celery_lock")]
     assert any(copy.id in message and "celery-lock:{sec.process:7}:lock" in message
                for message in ours)  # fmt: skip

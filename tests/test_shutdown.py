@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from conftest import close_producer
+from conftest import close_producer, wait_for
 
 from celery_lock.testing import CeleryWorker, RedisServer
 
@@ -59,12 +59,10 @@ def locks(worker_env: dict[str, str]) -> Iterator[redis.Redis]:
     client.close()
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> float:
-    """Wait (bounded) for ``predicate``; return the seconds it took."""
+def seconds_until(what: str, probe: Callable[[], Any], timeout: float) -> float:
+    """How long :func:`wait_for` waited for ``probe``."""
     started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_for(what, probe, timeout)
     return time.monotonic() - started
 
 
@@ -77,12 +75,12 @@ def test_revoke_terminate_releases_the_lease(
 ) -> None:
     start_worker()
     result = producer.send_task("storm.hold", args=(1,))
-    wait_until(lambda: started_runs(records), 20, "the body to start")
+    wait_for("the body to start", lambda: started_runs(records), 20)
     assert locks.exists(HOLD_KEY)
     producer.control.revoke(result.id, terminate=True)
-    took = wait_until(lambda: not locks.exists(HOLD_KEY), PROMPTLY, "the lease to be released")
+    took = seconds_until("the lease to be released", lambda: not locks.exists(HOLD_KEY), PROMPTLY)
     print(f"lease released {took:.2f}s after revoke")
-    assert wait_until(lambda: result.state == "REVOKED", 10, "REVOKED") >= 0
+    wait_for("REVOKED", lambda: result.state == "REVOKED", 10)
     assert not locks.exists("celery-lock:{storm.hold:1}:done:storm.hold")
 
 
@@ -91,7 +89,7 @@ def test_running_body_finishes_on_warm_shutdown_and_releases_with_done_marker(
 ) -> None:
     worker = start_worker()
     result = producer.send_task("storm.hold", args=(1,), kwargs={"seconds": 1.5})
-    wait_until(lambda: started_runs(records), 20, "the body to start")
+    wait_for("the body to start", lambda: started_runs(records), 20)
     worker.send_signal(signal.SIGTERM)  # warm shutdown: Celery waits for running bodies
     worker.wait(30)
     assert result.state == "SUCCESS"
@@ -106,7 +104,7 @@ def test_shutdown_that_cuts_a_body_short_hands_its_lease_back(
     soft = json.dumps({"worker_soft_shutdown_timeout": 1.0})
     first = start_worker(STORM_CONF=soft)
     result = producer.send_task("storm.hold", args=(1,))
-    wait_until(lambda: started_runs(records), 20, "the body to start")
+    wait_for("the body to start", lambda: started_runs(records), 20)
     first.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     first.send_signal(signal.SIGQUIT)
@@ -114,7 +112,7 @@ def test_shutdown_that_cuts_a_body_short_hands_its_lease_back(
     assert not locks.exists(HOLD_KEY), "the lease outlived the process that held it"
 
     start_worker()
-    took = wait_until(lambda: result.state == "SUCCESS", PROMPTLY, "the requeued message to run")
+    took = seconds_until("the requeued message to run", lambda: result.state == "SUCCESS", PROMPTLY)
     print(f"requeued message ran {took:.2f}s after the second worker started")
     assert [run["fence"] for run in started_runs(records)] == [1, 2]
 
@@ -124,7 +122,7 @@ def test_cold_shutdown_leaves_only_leases_that_lapse(
 ) -> None:
     worker = start_worker()
     producer.send_task("storm.hold", args=(1,))
-    wait_until(lambda: started_runs(records), 20, "the body to start")
+    wait_for("the body to start", lambda: started_runs(records), 20)
     worker.send_signal(signal.SIGQUIT)  # cold shutdown
     worker.wait(30)
     for key in locks.scan_iter("celery-lock:*"):

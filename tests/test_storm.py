@@ -23,6 +23,7 @@ import pytest
 import redis
 from celery import Celery, states
 from celery.result import AsyncResult
+from conftest import settle, wait_for
 
 from celery_lock import SKIPPED
 from celery_lock.lease import decode_lock
@@ -59,20 +60,6 @@ def publish_shuffled(app: Celery, jobs: list[tuple[str, int]]) -> list[AsyncResu
     return [app.send_task(name, args=(idx,), task_id=str(uuid.uuid4())) for name, idx in jobs]
 
 
-def settle(results: list[AsyncResult[Any]], timeout: float = SETTLE_TIMEOUT) -> dict[str, int]:
-    """Wait (bounded) until every copy is SUCCESS or SKIPPED; return the state counts."""
-    deadline = time.monotonic() + timeout
-    pending = list(results)
-    while pending:
-        pending = [r for r in pending if r.state not in ("SUCCESS", SKIPPED, "FAILURE")]
-        assert time.monotonic() < deadline, f"{len(pending)} copies unsettled"
-        time.sleep(0.1)
-    counts: dict[str, int] = defaultdict(int)
-    for result in results:
-        counts[result.state] += 1
-    return dict(counts)
-
-
 def recorded_runs(env: dict[str, str]) -> list[dict[str, Any]]:
     client = redis.Redis.from_url(env["STORM_RECORD_URL"])
     try:
@@ -95,7 +82,7 @@ def assert_no_overlap_and_increasing_fences(runs: list[dict[str, Any]]) -> None:
 def run_storm(app: Celery, env: dict[str, str]) -> None:
     jobs = [("storm.process", idx) for idx in range(REQUESTS) for _ in range(COPIES)]
     results = publish_shuffled(app, jobs)
-    counts = settle(results)
+    counts = settle(results, SETTLE_TIMEOUT)
     assert counts == {"SUCCESS": REQUESTS, SKIPPED: REQUESTS * (COPIES - 1)}
 
     runs = recorded_runs(env)
@@ -109,7 +96,7 @@ def run_storm(app: Celery, env: dict[str, str]) -> None:
 
     # Copies sent after completion are skipped as done, pointing at the run that did it.
     late = publish_shuffled(app, [("storm.process", idx) for idx in range(REQUESTS)])
-    assert settle(late) == {SKIPPED: REQUESTS}
+    assert settle(late, SETTLE_TIMEOUT) == {SKIPPED: REQUESTS}
     assert {result.info["reason"] for result in late} == {"done"}
     assert len(recorded_runs(env)) == REQUESTS
 
@@ -130,7 +117,7 @@ def test_stages_sharing_a_scope_never_overlap_and_each_runs_once(
     stages = ("storm.pending", "storm.process_stage", "storm.callback")
     jobs = [(stage, idx) for idx in range(30) for stage in stages for _ in range(3)]
     results = publish_shuffled(app, jobs)
-    counts = settle(results)
+    counts = settle(results, SETTLE_TIMEOUT)
     assert counts["SUCCESS"] == 30 * len(stages)
     assert counts[SKIPPED] == 30 * len(stages) * 2
 
@@ -187,10 +174,9 @@ def test_long_task_keeps_its_lease_by_heartbeat_in_pool_process(
     first = app.send_task("storm.long", args=(1,))
     # Copies are sent once the first holds the lease: sent earlier, one could reach another
     # pool process first and make the first copy the skipped one.
-    deadline = time.monotonic() + 30
-    while (held := lock_redis.get("celery-lock:{storm.long:1}:lock")) is None:
-        assert time.monotonic() < deadline, f"no lease after 30 s; first is {first.state}"
-        time.sleep(0.02)
+    held = wait_for(
+        "the first copy's lease", lambda: lock_redis.get("celery-lock:{storm.long:1}:lock")
+    )
     assert decode_lock(held).holder.task_id == first.id
     copies = []
     deadline = time.monotonic() + 60
@@ -200,6 +186,6 @@ def test_long_task_keeps_its_lease_by_heartbeat_in_pool_process(
         time.sleep(0.4)
     assert first.state == "SUCCESS", first.info
     assert len(copies) >= 5
-    assert set(settle(copies).keys()) == {SKIPPED}
+    assert set(settle(copies, SETTLE_TIMEOUT)) == {SKIPPED}
     assert {copy.info["holder"] for copy in copies} == {first.id}
     assert len(recorded_runs(worker_env)) == 1

@@ -16,6 +16,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController
 from celery.signals import task_postrun
+from conftest import wait_for
 
 from celery_lock import (
     SKIPPED,
@@ -150,13 +151,6 @@ def hold(
     return Lease(store, keys, token, 60_000, outcome.fence, holder)
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def finished() -> Iterator[Callable[[str], threading.Event]]:
     """``finished(task_id)``: an event set when the worker is done with that task id."""
@@ -194,7 +188,7 @@ def test_copy_of_running_request_is_skipped(
 ) -> None:
     hold(store, tasks["process"], 7, "holder-id")
     copy = tasks["process"].delay(7)
-    wait_for(lambda: copy.state == SKIPPED)
+    wait_for("the copy to be SKIPPED", lambda: copy.state == SKIPPED)
     assert copy.info == {
         "celery_lock": "skipped",
         "reason": "running",
@@ -259,7 +253,7 @@ def test_contention_with_another_stage_is_deferred_not_skipped(
 ) -> None:
     lease = hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
     result = tasks["stage"].delay(7)
-    wait_for(lambda: result.state == "RETRY")
+    wait_for("the copy to be deferred", lambda: result.state == "RETRY")
     assert calls.seen == []
     store.release(lease, success=False, done_ttl_ms=60_000)
     assert result.get(timeout=TIMEOUT) == "stage"
@@ -290,7 +284,7 @@ def test_duplicate_policy(
         with pytest.raises(DuplicateTaskError, match="holder-id"):
             result.get(timeout=TIMEOUT)
         return
-    wait_for(lambda: result.state == "RETRY")
+    wait_for("the copy to be deferred", lambda: result.state == "RETRY")
     store.release(lease, success=False, done_ttl_ms=60_000)
     assert result.get(timeout=TIMEOUT) == "processed 7"
     assert calls.count("t.process") == 1
@@ -347,7 +341,7 @@ def test_lost_lease_is_reported_to_body_and_signal(
     assert calls.started.wait(TIMEOUT)
     keys = tasks["slow"].request_keys((7,), {})
     lock_redis.set(keys.lock, "someone-else 99 {}", keepttl=True)  # the lease is taken over
-    wait_for(lambda: bool(lost))
+    wait_for("lock_lost", lambda: lost)
     calls.proceed.set()
     assert result.get(timeout=TIMEOUT) is True
     assert lost == [keys.lock]

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,8 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from conftest import settle
 
-from celery_lock import SKIPPED
 from celery_lock.lease import Holder, encode_lock
 from celery_lock.testing import CeleryWorker
 
@@ -63,21 +62,19 @@ def test_bad_worker_option_is_a_one_line_usage_error(
 
 
 def test_lock_on_duplicate_option_overrides_conf(
-    make_producer: Callable[..., Celery], worker: Any, worker_env: dict[str, str]
+    make_producer: Callable[..., Celery],
+    worker: Any,
+    worker_env: dict[str, str],
+    lock_redis: redis.Redis,
 ) -> None:
     """With --lock-on-duplicate raise, a copy of a running request fails instead of skipping."""
     worker("--lock-on-duplicate", "raise", "--lock-ttl", "7")
     app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
-    locks = redis.Redis.from_url(worker_env["STORM_LOCK_URL"])
     # Hold request 5 as another copy would, then send a copy.
     holder = Holder(task_id="holder", task_name="storm.process", host="elsewhere", pid=1)
-    locks.set("celery-lock:{storm.process:5}:lock", encode_lock("t", 1, holder, 0), px=60_000)
+    lock_redis.set("celery-lock:{storm.process:5}:lock", encode_lock("t", 1, holder, 0), px=60_000)
     result = app.send_task("storm.process", args=(5,))
-    deadline = time.monotonic() + 30
-    while result.state not in ("FAILURE", "SUCCESS", SKIPPED):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    assert result.state == "FAILURE"
+    assert settle([result]) == {"FAILURE": 1}
     assert "already running as task holder" in str(result.result)
 
     # --lock-ttl 7 applies to the leases this worker takes.
@@ -86,4 +83,3 @@ def test_lock_on_duplicate_option_overrides_conf(
     [run] = [json.loads(raw) for raw in records.lrange("storm:runs", 0, -1)]
     assert run["ttl"] == 7.0
     records.close()
-    locks.close()
