@@ -143,14 +143,19 @@ def _floor_pooled(store: LockStore, stack: ExitStack) -> Cycle:
     return cycle
 
 
+def _granted(store: LockStore, tag: str, n: int) -> Lease:
+    """A lease on a fresh key, granted by :meth:`LockStore.acquire` as a task's is."""
+    keys = RequestKeys.build("bench", tag, str(n), "bench.cycle")
+    token = new_token()
+    outcome = store.acquire(keys, token, TTL_MS, HOLDER, DONE_TTL_MS)
+    if not isinstance(outcome, Acquired):
+        raise RuntimeError(f"{keys.lock}: {outcome}")
+    return Lease(store, keys, token, TTL_MS, outcome.fence, HOLDER)
+
+
 def _celery_lock(store: LockStore, stack: ExitStack) -> Cycle:
     def cycle(n: int) -> None:
-        keys = RequestKeys.build("bench", "cycle", str(n), "bench.cycle")
-        token = new_token()
-        outcome = store.acquire(keys, token, TTL_MS, HOLDER, DONE_TTL_MS)
-        if not isinstance(outcome, Acquired):
-            raise RuntimeError(f"{keys.lock}: {outcome}")
-        lease = Lease(store, keys, token, TTL_MS, outcome.fence, HOLDER)
+        lease = _granted(store, "cycle", n)
         store.release(lease, success=True, done_ttl_ms=DONE_TTL_MS)
 
     return cycle
@@ -163,12 +168,7 @@ def _celery_lock_heartbeat(store: LockStore, stack: ExitStack) -> Cycle:
     interval = TTL_MS / 3000
 
     def cycle(n: int) -> None:
-        keys = RequestKeys.build("bench", "cycle-hb", str(n), "bench.cycle")
-        token = new_token()
-        outcome = store.acquire(keys, token, TTL_MS, HOLDER, DONE_TTL_MS)
-        if not isinstance(outcome, Acquired):
-            raise RuntimeError(f"{keys.lock}: {outcome}")
-        lease = Lease(store, keys, token, TTL_MS, outcome.fence, HOLDER)
+        lease = _granted(store, "cycle-hb", n)
         heartbeat.add(lease, interval)
         heartbeat.discard(lease)
         store.release(lease, success=True, done_ttl_ms=DONE_TTL_MS)
