@@ -302,10 +302,18 @@ def headline(results: dict[str, Any]) -> list[str]:
                 }
                 ahead = all(c["end_to_end"]["median"] > v for v in peers.values())
                 cpu = c.get("worker_cpu_ratio")
+                # The peers lock at publish time and make one round trip in the worker (the DEL
+                # that frees the lock): their ratio is what that one round trip costs here.
+                peer_ratios = ", ".join(
+                    f"{n} {entry['contenders'][n]['worker_ratio']['median']:.3f}"
+                    for n in peers
+                    if "worker_ratio" in entry["contenders"][n]
+                )
                 lines.append(
                     f"{size} processes: LockedTask / plain (worker) "
                     f"{c['worker_ratio']['median']:.3f} (goal ≥ 0.95"
                     + (f"; by CPU per task {cpu['median']:.3f}" if cpu else "")
+                    + (f"; peers, one worker round trip: {peer_ratios}" if peer_ratios else "")
                     + "); end to end "
                     f"{c['end_to_end']['median']:,.0f}/s vs peers "
                     + ", ".join(f"{n} {v:,.0f}/s" for n, v in peers.items())

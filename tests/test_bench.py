@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.endtoend import LOCKED, PLAIN
 from bench.lockcycle import FLOOR, LEAN, SCRIPTED_FLOOR
+from bench.report import headline
 from bench.sampling import summarize
 
 pytestmark = pytest.mark.worker
@@ -151,3 +153,22 @@ def test_py_spy_stacks_are_summed_per_process_kind_and_per_task() -> None:
     assert summary.lock_us == 2000
     assert summary.lock_own_us == 500
     assert summary.pool_top[0] == ("sendall (redis/connection.py:7)", 1500)
+
+
+def test_goals_set_the_peers_worker_ratio_beside_celery_locks() -> None:
+    """The peers make one round trip in the worker: their ratio to a plain task is shown beside
+    celery-lock's, as what one round trip costs on the machine."""
+
+    def contender(worker: float, end_to_end: float) -> dict[str, dict[str, float]]:
+        return {"worker_ratio": {"median": worker}, "end_to_end": {"median": end_to_end}}
+
+    by_size = {
+        PLAIN: contender(1.0, 554),
+        LOCKED: contender(0.881, 503),
+        "celery-once": contender(0.889, 453),
+    }
+    [line] = headline({"endtoend": {"by_processes": {"1": {"contenders": by_size}}}})
+    assert line == (
+        "1 processes: LockedTask / plain (worker) 0.881 (goal ≥ 0.95; peers, one worker round "
+        "trip: celery-once 0.889); end to end 503/s vs peers celery-once 453/s (ahead)"
+    )
