@@ -152,6 +152,12 @@ def wait_for(what: str, probe: Callable[[], T], timeout: float = 30.0) -> T:
     return value
 
 
+def command_calls(client: redis.Redis) -> Counter[str]:
+    """Calls per command so far (``INFO commandstats``), counted by the server."""
+    stats = client.info("commandstats")
+    return Counter({name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()})
+
+
 def settle(results: list[AsyncResult[Any]], timeout: float = 30.0) -> Counter[str]:
     """Wait (bounded) until every copy is SUCCESS, SKIPPED or FAILURE; count their states."""
     pending = list(results)

@@ -40,7 +40,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController
-from conftest import settle, wait_for
+from conftest import command_calls, settle, wait_for
 
 from celery_lock import (
     SKIPPED,
@@ -67,12 +67,6 @@ FENCE_TTL_MS = 60_000
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def command_calls(client: redis.Redis) -> Counter[str]:
-    """Calls per command so far (``INFO commandstats``), counted by the server."""
-    stats = client.info("commandstats")
-    return Counter({name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()})
 
 
 def acquire(store: LockStore, token: str, keys: RequestKeys = KEYS, holder: Holder = HOLDER):
@@ -244,18 +238,6 @@ def lock_url(request: pytest.FixtureRequest, lock_server: RedisServer) -> str:
     if "proxy" in request.fixturenames:
         return str(request.getfixturevalue("proxy").url)
     return lock_server.url
-
-
-@pytest.fixture
-def celery_config(lock_url: str) -> dict[str, Any]:
-    return {
-        "broker_url": "memory://",
-        "broker_transport_options": {"polling_interval": 0.05},
-        "result_backend": "cache+memory://",
-        "celery_lock_redis_url": lock_url,
-        "celery_lock_ttl": 5,
-        "broker_connection_retry_on_startup": False,
-    }
 
 
 class Bodies:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import pytest
 import redis
+from conftest import command_calls
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -29,12 +29,6 @@ OTHER = Holder(task_id="task-2", task_name="shop.process", host="host-b", pid=20
 KEYS = RequestKeys.build("celery-lock", "shop.process", "42", "shop.process")
 TTL_MS = 5_000
 FENCE_TTL_MS = 60_000
-
-
-def command_calls(client: redis.Redis) -> Counter[str]:
-    """Calls per command so far (``INFO commandstats``)."""
-    stats = client.info("commandstats")
-    return Counter({name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()})
 
 
 def acquire(store: LockStore, token: str, holder: Holder = HOLDER, keys: RequestKeys = KEYS):

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from conftest import command_calls
 
 from celery_lock import LockedTask
 from celery_lock.keys import RequestKeys
@@ -24,11 +25,6 @@ from celery_lock.store import LockStore
 TASKS = 50
 #: What the three scripts run inside EVALSHA.
 SCRIPT_COMMANDS = {"get", "pttl", "incr", "pexpire", "del", "set"}
-
-
-def command_calls(client: redis.Redis) -> Counter[str]:
-    stats = client.info("commandstats")
-    return Counter({name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()})
 
 
 def top_level(delta: Counter[str]) -> Counter[str]:
