@@ -73,7 +73,7 @@ def test_quick_bench_runs_every_section_and_writes_results(tmp_path: Path) -> No
         assert cycle["server_us_per_cycle"][name] > 0
     # Every drain's CPU is split by process; the main process always works.
     for sizes in left.values():
-        by_role = sizes["contenders"]["celery-lock"]["worker_cpu_us_by_role"]
+        by_role = sizes["contenders"][LOCKED]["worker_cpu_us_by_role"]
         assert set(by_role) == {"main", "pool", "redis-server"}
         assert by_role["main"]["median"] > 0
     for heading in ("## Machine", "## Lock cycle", "## End to end", "## Duplicate storm"):
