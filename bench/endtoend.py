@@ -1,16 +1,19 @@
 """End to end: a real prefork worker, Redis broker, results ignored, unique request ids.
 
-Per worker size (1, 2, 4 processes) one worker runs every contender: plain ``Task``, celery-lock's
-``LockedTask``, celery-once's ``QueueOnce`` and celery-singleton's ``Singleton`` (the same no-op
-body, all acking late). Each round publishes N messages per contender into a queue of its own and
-then lets the worker drain it; the order of the contenders rotates from round to round.
+Per worker size (1, 2, 4 processes) one worker runs every contender: plain ``Task``, the floor
+(``SET NX PX`` before the body and a compare-and-delete after it, two round trips and nothing
+else), celery-lock's ``LockedTask``, celery-once's ``QueueOnce`` and celery-singleton's
+``Singleton`` (the same no-op body, all acking late). Each round publishes N messages per
+contender into a queue of its own and then lets the worker drain it; the order of the
+contenders rotates from round to round.
 
 Three rates per contender:
 
 - **publish**: messages per second through the task's own ``apply_async`` (celery-once and
   celery-singleton take their lock there, one round trip per message);
-- **worker**: tasks per second while the worker drains the queue (celery-lock takes and releases
-  its lease here, two round trips per task; the peers release theirs here, one round trip);
+- **worker**: tasks per second while the worker drains the queue (celery-lock and the floor take
+  and release their lease here, two round trips per task; the peers release theirs here, one
+  round trip);
 - **end to end**: N / (publish time + drain time): every round trip each contender adds,
   wherever it adds it. This is the fair line for comparing with the peers.
 """
@@ -27,6 +30,7 @@ import redis
 
 from celery_lock.testing import RedisServer
 
+from .lockcycle import FLOOR
 from .stats import Summary, paired_ratios, rounds
 from .workers import LOCK_DB, ROLES, bench_app, cpu_seconds, publish, running_worker
 
@@ -51,7 +55,7 @@ class Options:
 
 def contenders(module: Any) -> dict[str, Any]:
     """Contender name -> its task, in the bench's order."""
-    return {PLAIN: module.plain, LOCKED: module.locked, **module.PEER_TASKS}
+    return {PLAIN: module.plain, FLOOR: module.floor, LOCKED: module.locked, **module.PEER_TASKS}
 
 
 def leftovers(client: redis.Redis) -> dict[str, int]:
@@ -60,6 +64,7 @@ def leftovers(client: redis.Redis) -> dict[str, int]:
         "celery-lock leases": lambda k: k.startswith("celery-lock:") and k.endswith(":lock"),
         "celery-lock done-markers": lambda k: k.startswith("celery-lock:") and ":done:" in k,
         "celery-lock fences": lambda k: k.startswith("celery-lock:") and k.endswith(":fence"),
+        "floor locks": lambda k: k.startswith("bench:floor:"),
         "celery-once locks": lambda k: k.startswith("qo_"),
         "celery-singleton locks": lambda k: k.startswith("SINGLETONLOCK_"),
     }

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .endtoend import LOCKED, PLAIN
-from .lockcycle import CELERY_LOCK, FLOOR_POOLED, SCRIPTED_FLOOR
+from .lockcycle import CELERY_LOCK, FLOOR, FLOOR_POOLED, SCRIPTED_FLOOR
 from .stats import Summary, paired_ratios
 from .workers import ROLES
 
@@ -267,6 +267,18 @@ def memory_tables(result: dict[str, Any]) -> str:
     return text
 
 
+def _beside_the_floor(locked: dict[str, Any], floor: dict[str, Any] | None) -> str:
+    """The floor's worker ratio, the most a lock with two round trips in the worker keeps on
+    this machine, and celery-lock's worker rate against it (paired by round)."""
+    if not floor or "worker_ratio" not in floor:
+        return ""
+    text = f"; the floor, two round trips and nothing else: {floor['worker_ratio']['median']:.3f}"
+    if "samples" in locked and "samples" in floor:
+        paired = paired_ratios(locked["samples"]["worker"], floor["samples"]["worker"])
+        text += f", LockedTask / the floor {Summary.of(paired).median:.3f}"
+    return text
+
+
 def headline(results: dict[str, Any]) -> list[str]:
     """The issue's goals, each with the figure that meets or misses it."""
     lines = []
@@ -298,7 +310,7 @@ def headline(results: dict[str, Any]) -> list[str]:
                 peers = {
                     n: p["end_to_end"]["median"]
                     for n, p in entry["contenders"].items()
-                    if n not in (PLAIN, LOCKED)
+                    if n not in (PLAIN, FLOOR, LOCKED)
                 }
                 ahead = all(c["end_to_end"]["median"] > v for v in peers.values())
                 cpu = c.get("worker_cpu_ratio")
@@ -313,6 +325,7 @@ def headline(results: dict[str, Any]) -> list[str]:
                     f"{size} processes: LockedTask / plain (worker) "
                     f"{c['worker_ratio']['median']:.3f} (goal ≥ 0.95"
                     + (f"; by CPU per task {cpu['median']:.3f}" if cpu else "")
+                    + _beside_the_floor(c, entry["contenders"].get(FLOOR))
                     + (f"; peers, one worker round trip: {peer_ratios}" if peer_ratios else "")
                     + "); end to end "
                     f"{c['end_to_end']['median']:,.0f}/s vs peers "

@@ -32,7 +32,7 @@ class SamplerUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Summary:
+class WorkerProfile:
     """Where the worker's CPU went, in microseconds per task."""
 
     main_us: float
@@ -45,7 +45,7 @@ class Summary:
     pool_top: list[tuple[str, float]]
 
     def render(self, top: int) -> str:
-        """The summary as text."""
+        """The profile as text."""
         lines = [
             f"main process      {self.main_us:8.1f} µs/task",
             f"pool processes    {self.pool_us:8.1f} µs/task",
@@ -57,7 +57,7 @@ class Summary:
         return "\n".join(lines)
 
 
-def summarize(raw: str, tasks: int, rate: int = RATE) -> Summary:
+def summarize(raw: str, tasks: int, rate: int = RATE) -> WorkerProfile:
     """Summarize py-spy ``--format raw --subprocesses`` output of a worker that ran ``tasks``."""
     per_task = 1e6 / rate / max(tasks, 1)
     by_kind: collections.Counter[str] = collections.Counter()
@@ -78,7 +78,7 @@ def summarize(raw: str, tasks: int, rate: int = RATE) -> Summary:
                 lock += count
             if "celery_lock/" in frames[-1]:
                 lock_own += count
-    return Summary(
+    return WorkerProfile(
         main_us=by_kind["main"] * per_task,
         pool_us=by_kind["pool"] * per_task,
         lock_us=lock * per_task,

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,6 +67,9 @@ def test_quick_bench_runs_every_section_and_writes_results(tmp_path: Path) -> No
     assert store["keys"]["done_markers"] == store["keys"]["fences"] > 0
     left = results["endtoend"]["by_processes"]
     assert all(sizes["left_in_store"]["celery-lock leases"] == 0 for sizes in left.values())
+    # The floor ran in the worker beside celery-lock, and freed every lock it took.
+    assert all(FLOOR in sizes["contenders"] for sizes in left.values())
+    assert all(sizes["left_in_store"]["floor locks"] == 0 for sizes in left.values())
     # The scripted floor ran; the server's time was read for it, the floor and the lean scripts.
     cycle = results["lockcycle"]
     assert SCRIPTED_FLOOR in cycle["contenders"]
@@ -155,20 +159,27 @@ def test_py_spy_stacks_are_summed_per_process_kind_and_per_task() -> None:
     assert summary.pool_top[0] == ("sendall (redis/connection.py:7)", 1500)
 
 
-def test_goals_set_the_peers_worker_ratio_beside_celery_locks() -> None:
-    """The peers make one round trip in the worker: their ratio to a plain task is shown beside
-    celery-lock's, as what one round trip costs on the machine."""
+def test_goals_set_the_floor_and_the_peers_worker_ratios_beside_celery_locks() -> None:
+    """The floor makes two round trips in the worker and nothing else, the peers one: their
+    ratios to a plain task are shown beside celery-lock's, as what those round trips cost on the
+    machine; celery-lock is set against the floor round by round. The floor is no peer."""
 
-    def contender(worker: float, end_to_end: float) -> dict[str, dict[str, float]]:
-        return {"worker_ratio": {"median": worker}, "end_to_end": {"median": end_to_end}}
+    def contender(worker: float, end_to_end: float, rates: list[float]) -> dict[str, Any]:
+        return {
+            "worker_ratio": {"median": worker},
+            "end_to_end": {"median": end_to_end},
+            "samples": {"worker": rates},
+        }
 
     by_size = {
-        PLAIN: contender(1.0, 554),
-        LOCKED: contender(0.881, 503),
-        "celery-once": contender(0.889, 453),
+        PLAIN: contender(1.0, 554, [1000, 1100, 900]),
+        FLOOR: contender(0.9, 560, [900, 1000, 800]),
+        LOCKED: contender(0.881, 503, [880, 900, 840]),  # / the floor: 0.978, 0.9, 1.05
+        "celery-once": contender(0.889, 453, [890, 980, 800]),
     }
     [line] = headline({"endtoend": {"by_processes": {"1": {"contenders": by_size}}}})
     assert line == (
-        "1 processes: LockedTask / plain (worker) 0.881 (goal ≥ 0.95; peers, one worker round "
+        "1 processes: LockedTask / plain (worker) 0.881 (goal ≥ 0.95; the floor, two round "
+        "trips and nothing else: 0.900, LockedTask / the floor 0.978; peers, one worker round "
         "trip: celery-once 0.889); end to end 503/s vs peers celery-once 453/s (ahead)"
     )

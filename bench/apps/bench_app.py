@@ -11,11 +11,17 @@ difference between two contenders is how each one locks:
 task               locking
 =================  ===========================================================================
 ``bench.plain``    none
+``bench.floor``    the floor: ``SET NX PX`` before the body, a compare-and-delete after (worker)
 ``bench.locked``   celery-lock: acquire before the body, release + done-marker after (worker)
 ``bench.once``     celery-once ``QueueOnce``: lock when published, unlock after the body
 ``bench.singleton``  celery-singleton ``Singleton``: lock when published, unlock after the body
 ``bench.storm``    celery-lock, counting each execution of its body (one ``INCR``)
 =================  ===========================================================================
+
+``bench.floor`` is not a lock to use (no fence, no done-marker, no heartbeat, nothing done
+about a copy it finds locked): it is what any lock that takes and frees its lease in the worker
+adds to a task, two round trips and nothing else, sent as celery-lock sends its scripts. Its
+ratio to a plain task bounds what a two-round-trip lock can keep on the machine at hand.
 
 A peer that cannot be imported is left out (``PEERS`` lists the ones that loaded) and the
 bench reports why.
@@ -25,13 +31,16 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from typing import Any
 
 import redis
 from celery import Celery, Task
 
 import celery_lock
+from bench.lockcycle import COMPARE_AND_DELETE
 from celery_lock import LockedTask
+from celery_lock.store import LockStore
 
 BROKER_URL = os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0")
 LOCK_URL = os.environ.get("BENCH_LOCK_URL", "redis://127.0.0.1:6379/2")
@@ -72,6 +81,33 @@ def plain(request_idx: int) -> None:
 @app.task(base=LockedTask, name="bench.locked", lock_key="request_idx")
 def locked(request_idx: int) -> None:
     """celery-lock's LockedTask."""
+
+
+class FloorTask(Task):  # type: ignore[type-arg]
+    """Two round trips around the body, nothing else: see the module's docstring."""
+
+    #: Per pool process, made on first use (after the fork): the store and the script's SHA.
+    _floor: tuple[LockStore, str] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if FloorTask._floor is None:
+            store = LockStore.from_url(LOCK_URL)
+            FloorTask._floor = store, store.client.script_load(COMPARE_AND_DELETE)
+        store, release = FloorTask._floor
+        key, token = f"bench:floor:{self.request.id}", secrets.token_hex(16)
+        # LockStore's own command path (held connection, hiredis packing), as the lock cycle's
+        # floor sends: the protocol's cost, not redis-py's.
+        if store._send("SET", key, token, "NX", "PX", 60_000) is None:
+            raise RuntimeError(f"{key} was taken")
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            store._send("EVALSHA", release, 1, key, token)
+
+
+@app.task(base=FloorTask, name="bench.floor", acks_late=True)
+def floor(request_idx: int) -> None:
+    """The floor: two round trips around the body."""
 
 
 _record: redis.Redis | None = None
