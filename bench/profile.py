@@ -8,8 +8,9 @@ Two ways in:
 - ``--stub-store``: the same, with every lock store command answered at once (as granted and
   released) instead of sent: what is left is the library's own Python per call;
 - ``--worker KIND``: a real solo-pool worker run under cProfile while it drains ``N`` messages
-  of ``plain``, ``locked`` or ``storm`` (ten copies per request id); prints the worker's profile,
-  so Celery's own handling of each outcome (``Ignore`` for a skipped copy) is seen too;
+  of ``plain``, ``floor`` (two round trips, nothing else), ``locked`` or ``storm`` (ten copies
+  per request id); prints the worker's profile, so Celery's own handling of each outcome
+  (``Ignore`` for a skipped copy) is seen too;
 - ``--worker KIND --sampler py-spy``: a real prefork worker (``--processes``) sampled by py-spy
   while it drains, unchanged by the profiler: microseconds per task in the main process, in the
   pool processes, inside celery-lock (round trips included) and in its own Python
@@ -136,7 +137,12 @@ def _profile_calls(
 
 def _messages(module: Any, kind: str, calls: int) -> tuple[Any, list[int]]:
     """The task of ``kind`` and the request ids of ``calls`` messages (ten per id for storm)."""
-    task = {"plain": module.plain, "locked": module.locked, "storm": module.storm}[kind]
+    task = {
+        "plain": module.plain,
+        "floor": module.floor,
+        "locked": module.locked,
+        "storm": module.storm,
+    }[kind]
     return task, [n % max(1, calls // 10) if kind == "storm" else n for n in range(calls)]
 
 
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (in-process)")
     parser.add_argument("--top", type=int, default=30, help="functions to print")
-    parser.add_argument("--worker", choices=("plain", "locked", "storm"))
+    parser.add_argument("--worker", choices=("plain", "floor", "locked", "storm"))
     parser.add_argument(
         "--sampler",
         choices=("cprofile", "py-spy"),
