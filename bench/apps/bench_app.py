@@ -38,7 +38,7 @@ import redis
 from celery import Celery, Task
 
 import celery_lock
-from bench.lockcycle import COMPARE_AND_DELETE
+from bench.lockcycle import COMPARE_AND_DELETE, TTL_MS
 from celery_lock import LockedTask
 from celery_lock.store import LockStore
 
@@ -97,7 +97,7 @@ class FloorTask(Task):  # type: ignore[type-arg]
         key, token = f"bench:floor:{self.request.id}", secrets.token_hex(16)
         # LockStore's own command path (held connection, hiredis packing), as the lock cycle's
         # floor sends: the protocol's cost, not redis-py's.
-        if store._send("SET", key, token, "NX", "PX", 60_000) is None:
+        if store._send("SET", key, token, "NX", "PX", TTL_MS) is None:
             raise RuntimeError(f"{key} was taken")
         try:
             return self.run(*args, **kwargs)
