@@ -92,7 +92,9 @@ def entry(records: redis.Redis, key: str, task_id: str) -> dict[str, Any] | None
 def start_waiting_holder(producer: Celery, records: redis.Redis, idx: int) -> Any:
     """Send a copy that runs until its go key is set; return it with its "started" record."""
     result = producer.send_task(TASK, args=(idx, "from-stale"), kwargs={"wait_for_go": True})
-    started = wait_for("the holder to start", lambda: entry(records, "lost:started", result.id))
+    started = wait_for(
+        "the holder to start", lambda: entry(records, "lost:started", result.id), WAIT
+    )
     return result, started
 
 
@@ -133,7 +135,7 @@ def test_paused_holder_finds_its_lease_lost_and_its_fenced_write_rejected(
         os.kill(pid, signal.SIGSTOP)  # the whole pool process: its heartbeat thread too
         try:
             stopped = time.monotonic()
-            wait_for("the lease to lapse", lambda: not locks.exists(lock_key))
+            wait_for("the lease to lapse", lambda: not locks.exists(lock_key), WAIT)
             lapsed_after = time.monotonic() - stopped
             newer = producer.send_task(TASK, args=(7, "from-newer"))
             assert newer.get(timeout=WAIT) is True

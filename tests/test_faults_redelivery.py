@@ -134,7 +134,7 @@ def wait_started(record: Record, count: int = 1) -> dict[str, Any]:
         started = record.started()
         return started[count - 1] if len(started) >= count else None
 
-    return dict(wait_for(f"body start #{count}", nth))
+    return dict(wait_for(f"body start #{count}", nth, TIMEOUT))
 
 
 def wait_state(result: AsyncResult[Any], state: str, timeout: float = TIMEOUT) -> set[str]:
@@ -174,6 +174,7 @@ def wait_redelivered_copy_deferred(record: Record, task_id: str) -> None:
     wait_for(
         "the redelivered copy to arrive",
         lambda: record.deferred() or record.skipped() or len(record.started()) > 1,
+        TIMEOUT,
     )
     assert len(record.started()) == 1, "the redelivered copy ran alongside the original"
     assert record.skipped() == [], "the redelivered copy was skipped"
@@ -301,7 +302,7 @@ def test_redelivered_running_message_is_deferred_never_run_alongside(
     wait_redelivered_copy_deferred(record, result.id)
     # Neither RETRY nor SKIPPED ever shows: the running original's state is left alone.
     assert wait_state(result, "SUCCESS") <= {"PENDING", "STARTED", "SUCCESS"}
-    wait_for("the deferred copies to be acked", lambda: broker_idle(broker))
+    wait_for("the deferred copies to be acked", lambda: broker_idle(broker), TIMEOUT)
     # The last deferred copy found the request done by its own task id: acked, SUCCESS kept.
     assert AsyncResult(result.id, app=producer).state == "SUCCESS"
     assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(result.id, 1)]
@@ -339,7 +340,7 @@ def test_countdown_message_and_its_same_id_duplicate_run_once(
     result = AsyncResult(task_id, app=producer)
 
     assert wait_state(result, "SUCCESS") <= {"PENDING", "STARTED", "SUCCESS"}
-    wait_for("the duplicate to be acked", lambda: broker_idle(broker))
+    wait_for("the duplicate to be acked", lambda: broker_idle(broker), TIMEOUT)
     assert AsyncResult(task_id, app=producer).state == "SUCCESS"
     assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(task_id, 1)]
     assert record.skipped() == []

@@ -399,7 +399,7 @@ def test_store_down_defers_in_prefork_worker_then_each_request_runs_once(
         counts = Counter(d["task_id"] for d in recorded(store_env, "store:deferred"))
         return all(counts[task_id] >= 2 for task_id in ids)
 
-    wait_for("every copy deferred twice", deferred_twice)
+    wait_for("every copy deferred twice", deferred_twice, TIMEOUT)
     assert [run["request_idx"] for run in recorded(store_env, "store:runs")] == [-1]
     assert {d["reason"] for d in recorded(store_env, "store:deferred")} == {"store-unavailable"}
     assert {copy.state for copy in copies} <= {"PENDING", "RETRY"}
@@ -450,7 +450,7 @@ def test_fail_closed_in_process_defers_with_reason_and_runs_once_when_back(
 ) -> None:
     lock_server.stop()
     result = tasks["work"].delay(7)
-    wait_for("two deferrals", lambda: len(deferred) >= 2)
+    wait_for("two deferrals", lambda: len(deferred) >= 2, TIMEOUT)
     assert bodies.runs == []
     assert result.state == "RETRY"
     assert {d["reason"] for d in deferred} == {"store-unavailable"}
@@ -482,7 +482,7 @@ def test_store_down_mid_run_loses_lease_after_ttl_and_task_still_succeeds(
         assert bodies.started.wait(TIMEOUT)
         stopped = time.monotonic()
         lock_server.stop()
-        wait_for("lock_lost", lambda: lost)
+        wait_for("lock_lost", lambda: lost, TIMEOUT)
         bodies.proceed.set()
         assert result.get(timeout=TIMEOUT) is True  # the body saw request.lock_lost
     finally:
@@ -509,7 +509,7 @@ def test_store_down_mid_run_in_prefork_worker_nothing_crashes(
     children = worker.child_pids()
     admin = lock_server.client()
     result = app.send_task("store.work", args=(1,), kwargs={"seconds": 3.0})
-    wait_for("the lease", lambda: admin.exists("celery-lock:{store.work:1}:lock"))
+    wait_for("the lease", lambda: admin.exists("celery-lock:{store.work:1}:lock"), TIMEOUT)
     admin.close()
     time.sleep(0.5)  # a heartbeat or two confirm the lease
     lock_server.stop()
@@ -736,7 +736,9 @@ def test_garbage_mid_run_loses_the_lease_and_the_task_succeeds(
     keys = tasks["slow"].request_keys((7,), {})
     admin.delete(keys.lock)
     admin.rpush(keys.lock, "garbage")  # overwritten by someone else
-    wait_for("the lost lease logged", lambda: logs.messages(logging.ERROR, "lost while task"))
+    wait_for(
+        "the lost lease logged", lambda: logs.messages(logging.ERROR, "lost while task"), TIMEOUT
+    )
     bodies.proceed.set()
     assert result.get(timeout=TIMEOUT) is True
     assert logs.messages(logging.ERROR, "cannot extend the lease")

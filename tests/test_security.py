@@ -92,7 +92,7 @@ def test_logs_carry_key_and_task_id_never_arguments(
     first = tasks["process"].delay(7, email=secret)
     first.get(timeout=20)
     copy = tasks["process"].delay(7, email=secret)
-    wait_for("the copy to be SKIPPED", lambda: copy.state == SKIPPED)
+    wait_for("the copy to be SKIPPED", lambda: copy.state == SKIPPED, 20)
     ours = [r.getMessage() for r in caplog.records if r.name.startswith("celery_lock")]
     assert any(copy.id in message and "celery-lock:{sec.process:7}:lock" in message
                for message in ours)  # fmt: skip

@@ -188,7 +188,7 @@ def test_copy_of_running_request_is_skipped(
 ) -> None:
     hold(store, tasks["process"], 7, "holder-id")
     copy = tasks["process"].delay(7)
-    wait_for("the copy to be SKIPPED", lambda: copy.state == SKIPPED)
+    wait_for("the copy to be SKIPPED", lambda: copy.state == SKIPPED, TIMEOUT)
     assert copy.info == {
         "celery_lock": "skipped",
         "reason": "running",
@@ -253,7 +253,7 @@ def test_contention_with_another_stage_is_deferred_not_skipped(
 ) -> None:
     lease = hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
     result = tasks["stage"].delay(7)
-    wait_for("the copy to be deferred", lambda: result.state == "RETRY")
+    wait_for("the copy to be deferred", lambda: result.state == "RETRY", TIMEOUT)
     assert calls.seen == []
     store.release(lease, success=False, done_ttl_ms=60_000)
     assert result.get(timeout=TIMEOUT) == "stage"
@@ -284,7 +284,7 @@ def test_duplicate_policy(
         with pytest.raises(DuplicateTaskError, match="holder-id"):
             result.get(timeout=TIMEOUT)
         return
-    wait_for("the copy to be deferred", lambda: result.state == "RETRY")
+    wait_for("the copy to be deferred", lambda: result.state == "RETRY", TIMEOUT)
     store.release(lease, success=False, done_ttl_ms=60_000)
     assert result.get(timeout=TIMEOUT) == "processed 7"
     assert calls.count("t.process") == 1
@@ -341,7 +341,7 @@ def test_lost_lease_is_reported_to_body_and_signal(
     assert calls.started.wait(TIMEOUT)
     keys = tasks["slow"].request_keys((7,), {})
     lock_redis.set(keys.lock, "someone-else 99 {}", keepttl=True)  # the lease is taken over
-    wait_for("lock_lost", lambda: lost)
+    wait_for("lock_lost", lambda: lost, TIMEOUT)
     calls.proceed.set()
     assert result.get(timeout=TIMEOUT) is True
     assert lost == [keys.lock]
