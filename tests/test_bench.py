@@ -108,6 +108,28 @@ def test_bench_command_lines_in_the_docs_parse() -> None:
         parse(argv)  # argparse exits (SystemExit) on anything it does not accept
 
 
+@pytest.mark.parametrize(
+    ("argv", "writes_docs_plot"),
+    [
+        ([], True),
+        (["--rounds", "3", "--note", "x"], True),
+        (["--quick"], False),
+        (["--only", "endtoend"], False),
+        (["--processes", "1"], False),
+        (["--contenders", "plain Task", "celery-lock"], False),
+        (["--out-dir", "/tmp/elsewhere"], False),
+    ],
+)
+def test_only_the_published_run_writes_the_docs_plot(
+    argv: list[str], writes_docs_plot: bool
+) -> None:
+    """A narrowed run is an experiment: it must not overwrite the plot docs/ shows."""
+    from bench.__main__ import PLOT, parse, plot_path  # noqa: PLC0415
+
+    assert (plot_path(parse(argv)) == PLOT) is writes_docs_plot
+    assert plot_path(parse([*argv, "--plot", "/tmp/p.png"])) == Path("/tmp/p.png")
+
+
 @pytest.mark.timeout(QUICK_LIMIT)
 @pytest.mark.parametrize(
     ("args", "expected"),
