@@ -57,7 +57,7 @@ from .workers import LOCK_DB, BenchError, bench_app, publish, running_worker
 FOCUS = r"celery_lock|trace\.py|einfo|redis/client\.py|redis/connection\.py|tenacity|keys\.py"
 
 
-def _calls(task: Task[Any, Any], count: int, first: int) -> float:
+def timed_calls(task: Task[Any, Any], count: int, first: int) -> float:
     """Microseconds per ``__call__`` with a worker-like request on the stack."""
     began = time.perf_counter()
     for n in range(first, first + count):
@@ -86,23 +86,22 @@ def in_process(
     stub_store: bool = False,
 ) -> dict[str, Any]:
     """Time and profile ``LockedTask.__call__`` beside a plain task's, in this process."""
-    stub = mock.patch.object(LockStore, "_send", _answered_at_once)
+    stub = mock.patch.object(LockStore, "_send", answered_at_once)
     with stub if stub_store else nullcontext():
         return _profile_calls(server, calls, rounds, top, focus)
 
 
-def _answered_at_once(store: LockStore, *command: Any) -> int:
+def answered_at_once(store: LockStore, *command: Any) -> int:
     """Every command "succeeds" at once: 1 is a grant with fence 1, and a release of a lease
     still owned; so only the library's own work is timed (a plain function, not a mock, whose
     own calls would be timed too)."""
     return 1
 
 
-def _profile_calls(
-    server: RedisServer, calls: int, rounds: int, top: int, focus: str
-) -> dict[str, Any]:
-    app = Celery("bench-profile", broker=server.url_for(0), set_as_current=False)
-    app.conf.celery_lock_redis_url = server.url_for(LOCK_DB)
+def no_op_tasks(broker_url: str, lock_url: str) -> tuple[Celery, Task[Any, Any], Task[Any, Any]]:
+    """An app with two no-op tasks, a LockedTask and a plain one, results ignored."""
+    app = Celery("bench-profile", broker=broker_url, set_as_current=False)
+    app.conf.celery_lock_redis_url = lock_url
     app.conf.task_ignore_result = True
 
     @app.task(base=LockedTask, lock_key="request_idx", name="profile.locked", shared=False)
@@ -114,17 +113,24 @@ def _profile_calls(
         """No-op."""
 
     app.finalize()
-    _calls(locked, 200, 10**9)  # connection, scripts
-    _calls(plain, 200, 10**9)
+    return app, locked, plain
+
+
+def _profile_calls(
+    server: RedisServer, calls: int, rounds: int, top: int, focus: str
+) -> dict[str, Any]:
+    app, locked, plain = no_op_tasks(server.url_for(0), server.url_for(LOCK_DB))
+    timed_calls(locked, 200, 10**9)  # connection, scripts
+    timed_calls(plain, 200, 10**9)
     samples: dict[str, list[float]] = {"locked": [], "plain": []}
     first = 0
     for _ in range(rounds):
-        samples["locked"].append(_calls(locked, calls, first))
-        samples["plain"].append(_calls(plain, calls, first))
+        samples["locked"].append(timed_calls(locked, calls, first))
+        samples["plain"].append(timed_calls(plain, calls, first))
         first += calls
     profiler = cProfile.Profile()
     profiler.enable()
-    _calls(locked, calls, first + calls)
+    timed_calls(locked, calls, first + calls)
     profiler.disable()
     reset_runtime(app)
     server.client(LOCK_DB).flushdb()

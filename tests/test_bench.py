@@ -166,6 +166,26 @@ def test_py_spy_samples_a_prefork_worker_from_outside() -> None:
     assert any("celery_lock/" in frame for frame, _ in summary["pool_top"])
 
 
+@pytest.mark.timeout(QUICK_LIMIT)
+def test_cachegrind_counts_a_call_of_each_kind() -> None:
+    """``python -m bench.cachegrind``: per-call counts, each a difference of two real runs."""
+    done = run_bench(
+        "--calls", "10", "--settings", "hot", cwd=ROOT, module="bench.cachegrind"
+    )  # fmt: skip
+    if done.returncode == 2 and "valgrind" in done.stderr:
+        pytest.skip(done.stderr.strip())  # a system package: not in the test extra
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = {
+        tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")[3:-1]
+        for line in done.stdout.splitlines()
+        if line.startswith("| hot |")
+    }
+    assert set(rows) == {("hot", "plain"), ("hot", "locked"), ("hot", "LockedTask - plain")}
+    for kind in ("plain", "locked"):
+        # Even a no-op task's call runs well over 50,000 instructions: the calls were counted.
+        assert int(rows["hot", kind][0].replace(",", "")) > 50_000
+
+
 def test_py_spy_stacks_are_summed_per_process_kind_and_per_task() -> None:
     """Main and pool processes told apart by their ``process`` frames; µs per task at 1 kHz."""
     main = 'process 10:"celery worker";run (celery/worker.py:1);poll (kombu/hub.py:2)'

@@ -1,0 +1,203 @@
+"""``python -m bench.cachegrind``: a locked call's cost in instructions and cache misses.
+
+On a shared VM, timing the library's own Python is too noisy to tell a 1 µs change from none,
+and a worker pays for it several times what a tight loop shows (docs/benchmarks.md). Valgrind's
+cachegrind counts instead of timing: it runs ``N`` calls of a no-op task's ``__call__`` exactly
+as ``python -m bench.profile --stub-store`` makes them (a request pushed, every lock store
+command answered at once) and reports, per call, the instructions executed and the misses of a
+simulated cache: first-level instruction and data caches, and a last-level cache of
+``--ll-kib``. Two settings:
+
+- **hot**: the calls back to back, as in a tight loop;
+- **cold**: a buffer twice the last-level cache written between calls, as a pool process's
+  caches are when its next task arrives after the main process and ``redis-server`` ran (the
+  buffer's own counts, from a run that writes it and calls nothing, are taken off).
+
+Each figure is the difference between two runs of different length (``N`` and ``3N`` calls),
+so start-up and warm-up cancel; ``PYTHONHASHSEED`` is fixed so both runs do the same work. The
+counts are the same from run to run on one machine and interpreter, so two trees (``PYTHONPATH``)
+or two settings can be compared by a few hundred instructions. Needs ``valgrind`` on PATH.
+
+::
+
+    python -m bench.cachegrind
+    python -m bench.cachegrind --calls 300 --kinds locked
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from shutil import which
+from unittest import mock
+
+from celery_lock.store import LockStore
+
+from .profile import answered_at_once, no_op_tasks, timed_calls
+
+KINDS = ("plain", "locked")
+SETTINGS = ("hot", "cold")
+#: What is reported per call, as cachegrind names its events.
+EVENTS = {"Ir": "instructions", "I1mr": "I1 misses", "D1mr": "D1 read misses",
+          "D1mw": "D1 write misses", "ILmr": "LL instruction misses", "DLmr": "LL data misses",
+          "DLmw": "LL write misses"}  # fmt: skip
+#: Nothing listens there: the lock store is stubbed and nothing is published.
+UNUSED_URL = "redis://127.0.0.1:1/0"
+#: A cold run that calls nothing: what writing the buffer alone costs.
+BUFFER_ALONE = "buffer"
+WARMUP = 200
+
+
+class ValgrindUnavailable(RuntimeError):
+    """``valgrind`` is not on PATH."""
+
+
+@dataclass(frozen=True)
+class PerCall:
+    """Cachegrind's counts per call of one kind of task in one setting."""
+
+    kind: str
+    setting: str
+    counts: dict[str, float]
+
+
+def _run_calls(kind: str, count: int, thrash_bytes: int) -> None:
+    """In the process cachegrind watches: ``count`` calls of the ``kind`` task."""
+    _, locked, plain = no_op_tasks(UNUSED_URL, UNUSED_URL)
+    task = {"locked": locked, "plain": plain}.get(kind)
+    buffer = bytearray(thrash_bytes)
+    line = b"\x01" * len(buffer[::64])
+    with mock.patch.object(LockStore, "_send", answered_at_once):
+        if task is not None:
+            timed_calls(task, WARMUP, 10**9)
+        for number in range(count):
+            if thrash_bytes:
+                buffer[::64] = line  # one write per cache line: evicts the task's lines
+            if task is not None:
+                timed_calls(task, 1, number)
+
+
+def _summary(out_file: Path) -> dict[str, int]:
+    """The totals of a cachegrind output file, by event."""
+    events: list[str] = []
+    for text in out_file.read_text().splitlines():
+        if text.startswith("events:"):
+            events = text.split()[1:]
+        elif text.startswith("summary:"):
+            return dict(zip(events, map(int, text.split()[1:]), strict=True))
+    raise RuntimeError(f"no summary in {out_file}")
+
+
+def _cachegrind(
+    kind: str, count: int, thrash_bytes: int, ll_bytes: int, tmp: Path
+) -> dict[str, int]:
+    out_file = tmp / f"{kind}-{count}-{thrash_bytes}.out"
+    command = [
+        "valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--LL={ll_bytes},16,64",
+        f"--cachegrind-out-file={out_file}", sys.executable, "-m", "bench.cachegrind",
+        "--child", kind, str(count), str(thrash_bytes),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    subprocess.run(command, check=True, capture_output=True, env=env, timeout=1800)
+    return _summary(out_file)
+
+
+def measure(
+    calls: int, ll_kib: int, kinds: Sequence[str] = KINDS, settings: Sequence[str] = SETTINGS
+) -> list[PerCall]:
+    """Per-call counts of every kind in every setting (two cachegrind runs each, two at a
+    time)."""
+    if which("valgrind") is None:
+        raise ValgrindUnavailable("valgrind is not on PATH (Debian: apt install valgrind)")
+    ll_bytes = ll_kib * 1024
+    jobs = [(kind, setting) for setting in settings for kind in kinds]
+    if "cold" in settings:
+        jobs.append((BUFFER_ALONE, "cold"))
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {
+            (job, count): pool.submit(
+                _cachegrind,
+                job[0],
+                count,
+                2 * ll_bytes if job[1] == "cold" else 0,
+                ll_bytes,
+                Path(tmp),
+            )
+            for job in jobs
+            for count in (calls, 3 * calls)
+        }
+        counts = {
+            job: _difference(runs[job, calls].result(), runs[job, 3 * calls].result(), 2 * calls)
+            for job in jobs
+        }
+    buffer = counts.pop((BUFFER_ALONE, "cold"), None)
+    return [
+        PerCall(kind, setting, _less(found, buffer if setting == "cold" else None))
+        for (kind, setting), found in counts.items()
+    ]
+
+
+def _difference(short: dict[str, int], long: dict[str, int], calls: int) -> dict[str, float]:
+    """Per call: what the longer run counted beyond the shorter one, over the calls between."""
+    return {e: (long[e] - short[e]) / calls for e in EVENTS if e in short}
+
+
+def _less(counts: dict[str, float], baseline: dict[str, float] | None) -> dict[str, float]:
+    return counts if baseline is None else {e: n - baseline[e] for e, n in counts.items()}
+
+
+def render(results: Sequence[PerCall]) -> str:
+    """A Markdown table, with LockedTask's difference from a plain task per setting."""
+    events = [e for e in EVENTS if all(e in r.counts for r in results)]
+    lines = [
+        "| setting | task | " + " | ".join(EVENTS[e] for e in events) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in events) + " |",
+    ]
+    for setting in SETTINGS:
+        rows = {r.kind: r for r in results if r.setting == setting}
+        for kind, row in rows.items():
+            cells = " | ".join(f"{round(row.counts[e]):,}" for e in events)
+            lines.append(f"| {setting} | {kind} | {cells} |")
+        if set(KINDS) <= set(rows):
+            cells = " | ".join(
+                f"{round(rows['locked'].counts[e] - rows['plain'].counts[e]):+,}" for e in events
+            )
+            lines.append(f"| {setting} | LockedTask - plain | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, measure, print the table."""
+    parser = argparse.ArgumentParser(prog="python -m bench.cachegrind", description=__doc__)
+    parser.add_argument("--calls", type=int, default=1000, help="N: runs of N and 3N calls")
+    parser.add_argument("--ll-kib", type=int, default=2048, help="simulated last-level cache")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        kind, count, thrash_bytes = args.child
+        _run_calls(kind, int(count), int(thrash_bytes))
+        return 0
+    try:
+        results = measure(args.calls, args.ll_kib, args.kinds, args.settings)
+    except ValgrindUnavailable as exc:
+        print(f"python -m bench.cachegrind: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"per call, from runs of {args.calls} and {3 * args.calls} calls under cachegrind "
+        f"(last-level cache {args.ll_kib} KiB; lock store stubbed):"
+    )
+    print(render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
