@@ -1,0 +1,207 @@
+"""``python -m bench.pool``: the end-to-end ratios of several runs pooled, with their confidence.
+
+One run's rounds spread widely on a shared VM (single rounds from 0.7 to 1.1 of a plain task),
+so a goal such as "LockedTask keeps at least 0.95 of a plain task's throughput" is read better
+from the rounds of several runs on one machine: every round's ratio, paired within its round as
+every ratio in the bench is, then the median of them all and a 95% confidence interval of that
+median. The interval is distribution-free (two order statistics, chosen from the binomial
+distribution; nothing assumed about the noise), so it needs six rounds at least. Set against a
+goal, the interval says **met** (it lies above), **missed** (below) or **open** (it straddles the
+goal: more rounds could tell).
+
+Runs are pooled per machine (the CPU the run recorded) and per worker size::
+
+    python -m bench.pool bench/results/*.json
+    python -m bench.pool bench/results/*.json --metric end_to_end --goal 0.95
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .endtoend import LOCKED, PLAIN
+from .lockcycle import FLOOR
+from .report import table
+from .stats import paired_ratios
+
+#: The peers' contender names in the end-to-end section.
+PEERS = ("celery-once", "celery-singleton")
+METRICS = ("worker", "end_to_end", "worker_cpu", "end_to_end_cpu")
+#: The ratios shown, numerator over denominator.
+RATIOS = (
+    (LOCKED, PLAIN),
+    (FLOOR, PLAIN),
+    (LOCKED, FLOOR),
+    *((peer, PLAIN) for peer in PEERS),
+    *((LOCKED, peer) for peer in PEERS),
+)
+#: Column labels.
+SHORT = {PLAIN: "plain", FLOOR: "floor", LOCKED: "celery-lock", "celery-once": "once",
+         "celery-singleton": "singleton"}  # fmt: skip
+#: The metrics that include publishing, where celery-once and celery-singleton take their lock:
+#: "ahead of the peers" is judged on these.
+END_TO_END = ("end_to_end", "end_to_end_cpu")
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """The pooled rounds of one ratio: their median and the median's confidence interval."""
+
+    ratios: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        """The median of every round's ratio."""
+        return statistics.median(self.ratios)
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """The median's 95% confidence interval; ``None`` below six rounds."""
+        return median_interval(self.ratios)
+
+    def verdict(self, goal: float) -> str:
+        """``met``, ``missed`` or ``open`` (the interval straddles ``goal``, or there is none)."""
+        interval = self.interval
+        if interval is None:
+            return "open"
+        low, high = interval
+        if low >= goal:
+            return "met"
+        if high < goal:
+            return "missed"
+        return "open"
+
+    def cell(self, goal: float | None = None) -> str:
+        """``0.917 [0.89, 0.95]``, with the verdict against ``goal`` when there is one."""
+        interval = self.interval
+        text = f"{self.median:.3f}"
+        text += f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else " [-]"
+        return f"{text} {self.verdict(goal)}" if goal is not None else text
+
+
+def median_interval(
+    samples: Sequence[float], confidence: float = CONFIDENCE
+) -> tuple[float, float] | None:
+    """A distribution-free confidence interval of the median: ``(x[k], x[n-k+1])`` of the sorted
+    samples, ``k`` the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2.
+
+    ``None`` when even the whole range is not enough (fewer than six samples at 95%).
+    """
+    ordered = sorted(samples)
+    n = len(ordered)
+    tail = (1 - confidence) / 2
+    below, k = 0.0, 0
+    while k < n:
+        below += math.comb(n, k) / 2**n  # now P(X <= k)
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    return ordered[k - 1], ordered[n - k]
+
+
+Pair = tuple[str, str]
+
+
+def _target(pair: Pair, goal: float, metric: str) -> float | None:
+    """What a ratio is held against: the goal for LockedTask / plain Task, 1 (ahead) for
+    LockedTask / a peer end to end, nothing for the rest (shown for reference)."""
+    if pair == (LOCKED, PLAIN):
+        return goal
+    if pair[0] == LOCKED and pair[1] in PEERS and metric in END_TO_END:
+        return 1.0
+    return None
+
+
+def round_ratios(results: dict[str, Any], metric: str) -> dict[str, dict[Pair, list[float]]]:
+    """Per worker size, the ratios of each pair in :data:`RATIOS`, one per round of one run."""
+    out: dict[str, dict[Pair, list[float]]] = {}
+    for size, entry in results.get("endtoend", {}).get("by_processes", {}).items():
+        contenders = entry["contenders"]
+        out[size] = {}
+        for numerator, denominator in RATIOS:
+            if numerator in contenders and denominator in contenders:
+                out[size][numerator, denominator] = paired_ratios(
+                    contenders[numerator]["samples"][metric],
+                    contenders[denominator]["samples"][metric],
+                )
+    return out
+
+
+def pool(
+    runs: Iterable[dict[str, Any]], metric: str = "worker"
+) -> dict[str, dict[str, dict[Pair, Pooled]]]:
+    """Machine -> worker size -> ratio -> the rounds of every run on that machine."""
+    rounds: dict[str, dict[str, dict[Pair, list[float]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
+    for results in runs:
+        machine = results.get("machine", {}).get("cpu", "unknown machine")
+        for size, ratios in round_ratios(results, metric).items():
+            for pair, values in ratios.items():
+                rounds[machine][size][pair].extend(values)
+    return {
+        machine: {
+            size: {pair: Pooled(tuple(values)) for pair, values in by_pair.items() if values}
+            for size, by_pair in sorted(by_size.items(), key=lambda item: int(item[0]))
+        }
+        for machine, by_size in rounds.items()
+    }
+
+
+def render(
+    pooled: dict[str, dict[str, dict[Pair, Pooled]]], goal: float, metric: str, runs: int
+) -> str:
+    """One Markdown table per machine: a row per worker size, a column per ratio."""
+    sizes = [by_pair for by_size in pooled.values() for by_pair in by_size.values()]
+    pairs = [pair for pair in RATIOS if any(pair in by_pair for by_pair in sizes)]
+    sections = []
+    for machine, by_size in pooled.items():
+        rows = []
+        for size, by_pair in by_size.items():
+            count = max(len(p.ratios) for p in by_pair.values())
+            cells = [
+                by_pair[pair].cell(_target(pair, goal, metric)) if pair in by_pair else "-"
+                for pair in pairs
+            ]
+            rows.append([size, count, *cells])
+        headers = ["processes", "rounds", *(f"{SHORT[a]} / {SHORT[b]}" for a, b in pairs)]
+        sections.append(f"{machine}:\n\n{table(headers, rows)}")
+    heading = (
+        f"{metric} throughput, {runs} runs pooled: the median of every round's paired ratio "
+        f"[its {CONFIDENCE:.0%} confidence interval], against the goal where there is one"
+    )
+    return "\n\n".join([heading, *sections])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Read the result files, pool, print."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.pool", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("results", nargs="+", type=Path, help="JSON files python -m bench wrote")
+    parser.add_argument("--metric", choices=METRICS, default="worker")
+    parser.add_argument("--goal", type=float, default=0.95, help="for LockedTask / plain Task")
+    args = parser.parse_args(argv)
+    runs = [json.loads(path.read_text()) for path in args.results]
+    with_endtoend = [r for r in runs if "endtoend" in r]
+    if not with_endtoend:
+        print("python -m bench.pool: none of these runs has an endtoend section", file=sys.stderr)
+        return 2
+    print(render(pool(with_endtoend, args.metric), args.goal, args.metric, len(with_endtoend)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""``python -m bench.pool``: rounds of several runs pooled per machine, with the median's interval.
+
+Pure computation on result files shaped as ``python -m bench`` writes them: no server, no worker.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.endtoend import LOCKED, PLAIN
+from bench.lockcycle import FLOOR
+from bench.pool import Pooled, main, median_interval, pool
+
+
+@pytest.mark.parametrize(
+    ("n", "ranks"),
+    # The ranks of the order statistics that bound a 95% interval of the median, as the
+    # binomial tables give them (n = 6 and 7: the whole range; fewer: none).
+    [(5, None), (6, (1, 6)), (7, (1, 7)), (10, (2, 9)), (20, (6, 15)), (22, (6, 17))],
+)
+def test_median_interval_takes_the_order_statistics_of_the_binomial_tables(
+    n: int, ranks: tuple[int, int] | None
+) -> None:
+    samples = [float(rank) for rank in range(n, 0, -1)]  # rank r has value r, given unsorted
+    interval = median_interval(samples)
+    assert interval == (None if ranks is None else tuple(float(r) for r in ranks))
+
+
+def test_a_verdict_needs_the_whole_interval_on_one_side_of_the_goal() -> None:
+    assert Pooled((0.96, 0.97, 0.98, 0.99, 1.0, 1.01)).verdict(0.95) == "met"
+    assert Pooled((0.90, 0.91, 0.92, 0.93, 0.94, 0.949)).verdict(0.95) == "missed"
+    assert Pooled((0.90, 0.91, 0.96, 0.97, 0.98, 0.99)).verdict(0.95) == "open"
+    assert Pooled((0.99, 0.99, 0.99)).verdict(0.95) == "open"  # too few rounds for an interval
+
+
+def _run(cpu: str, rates: dict[str, list[float]], size: str = "2") -> dict[str, Any]:
+    contenders = {name: {"samples": {"worker": r, "end_to_end": r}} for name, r in rates.items()}
+    return {
+        "machine": {"cpu": cpu},
+        "endtoend": {"by_processes": {size: {"contenders": contenders}}},
+    }
+
+
+def test_rounds_are_paired_within_a_run_and_pooled_per_machine() -> None:
+    # Round by round celery-lock keeps 0.9 of a plain task, though the rates swing tenfold:
+    # a ratio of medians, or of rounds paired across runs, would not give 0.9.
+    first = _run("A", {PLAIN: [100, 1000, 500], LOCKED: [90, 900, 450], FLOOR: [95, 950, 475]})
+    second = _run("A", {PLAIN: [2000, 300, 700], LOCKED: [1800, 270, 630]})
+    elsewhere = _run("B", {PLAIN: [100, 100], LOCKED: [50, 50]})
+    pooled = pool([first, second, elsewhere])
+    assert set(pooled) == {"A", "B"}
+    ratios = pooled["A"]["2"][LOCKED, PLAIN].ratios
+    assert ratios == pytest.approx([0.9] * 6)
+    assert pooled["A"]["2"][LOCKED, FLOOR].ratios == pytest.approx([90 / 95] * 3)
+    assert pooled["B"]["2"][LOCKED, PLAIN].ratios == pytest.approx([0.5, 0.5])
+
+
+def test_the_command_prints_a_verdict_per_worker_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = []
+    for number, locked in enumerate(([97.0, 98.0, 99.0], [96.0, 97.0, 98.0])):
+        path = tmp_path / f"run{number}.json"
+        path.write_text(json.dumps(_run("AMD EPYC", {PLAIN: [100.0] * 3, LOCKED: locked})))
+        files.append(str(path))
+    assert main(files) == 0
+    out = capsys.readouterr().out
+    assert "worker throughput, 2 runs pooled" in out
+    assert "AMD EPYC" in out
+    assert "| 2 | 6 | 0.975 [0.96, 0.99] met |" in " ".join(out.split())
+
+
+def test_the_command_refuses_runs_without_an_endtoend_section(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "lockcycle-only.json"
+    path.write_text(json.dumps({"machine": {"cpu": "x"}, "lockcycle": {}}))
+    assert main([str(path)]) == 2
+    assert "none of these runs has an endtoend section" in capsys.readouterr().err
