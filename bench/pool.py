@@ -36,8 +36,10 @@ from .stats import paired_ratios
 #: The peers' contender names in the end-to-end section.
 PEERS = ("celery-once", "celery-singleton")
 METRICS = ("worker", "end_to_end", "worker_cpu", "end_to_end_cpu")
-#: The ratios shown, numerator over denominator.
-RATIOS = (
+#: A ratio: the contender over the one it is set against.
+Pair = tuple[str, str]
+#: The ratios shown.
+RATIOS: tuple[Pair, ...] = (
     (LOCKED, PLAIN),
     (FLOOR, PLAIN),
     (LOCKED, FLOOR),
@@ -111,9 +113,6 @@ def median_interval(
     return ordered[k - 1], ordered[n - k]
 
 
-Pair = tuple[str, str]
-
-
 def _target(pair: Pair, goal: float, metric: str) -> float | None:
     """What a ratio is held against: the goal for LockedTask / plain Task, 1 (ahead) for
     LockedTask / a peer end to end, nothing for the rest (shown for reference)."""
@@ -179,7 +178,7 @@ def render(
         headers = ["processes", "rounds", *(f"{SHORT[a]} / {SHORT[b]}" for a, b in pairs)]
         sections.append(f"{machine}:\n\n{table(headers, rows)}")
     heading = (
-        f"{metric} throughput, {runs} runs pooled: the median of every round's paired ratio "
+        f"{metric} rate, {runs} runs pooled: the median of every round's paired ratio "
         f"[its {CONFIDENCE:.0%} confidence interval], against the goal where there is one"
     )
     return "\n\n".join([heading, *sections])

@@ -69,7 +69,7 @@ def test_the_command_prints_a_verdict_per_worker_size(
         files.append(str(path))
     assert main(files) == 0
     out = capsys.readouterr().out
-    assert "worker throughput, 2 runs pooled" in out
+    assert "worker rate, 2 runs pooled" in out
     assert "AMD EPYC" in out
     assert "| 2 | 6 | 0.975 [0.96, 0.99] met |" in " ".join(out.split())
 
