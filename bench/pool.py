@@ -1,4 +1,4 @@
-"""``python -m bench.pool``: the end-to-end ratios of several runs pooled, with their confidence.
+"""``python -m bench.pool``: the ratios of several runs pooled, with their confidence.
 
 One run's rounds spread widely on a shared VM (single rounds from 0.7 to 1.1 of a plain task),
 so a goal such as "LockedTask keeps at least 0.95 of a plain task's throughput" is read better
@@ -9,7 +9,8 @@ distribution; nothing assumed about the noise), so it needs six rounds at least.
 goal, the interval says **met** (it lies above), **missed** (below) or **open** (it straddles the
 goal: more rounds could tell).
 
-Runs are pooled per machine (the CPU the run recorded) and per worker size::
+Runs are pooled per machine (the CPU the run recorded): the end-to-end section per worker size,
+and the lock cycle (celery-lock's against the floor's, the other goal of 0.95)::
 
     python -m bench.pool bench/results/*.json
     python -m bench.pool bench/results/*.json --metric end_to_end --goal 0.95
@@ -23,13 +24,13 @@ import math
 import statistics
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .endtoend import LOCKED, PLAIN
-from .lockcycle import FLOOR
+from .lockcycle import CELERY_LOCK, FLOOR, FLOOR_POOLED, SCRIPTED_FLOOR
 from .report import table
 from .stats import paired_ratios
 
@@ -46,9 +47,25 @@ RATIOS: tuple[Pair, ...] = (
     *((peer, PLAIN) for peer in PEERS),
     *((LOCKED, peer) for peer in PEERS),
 )
+#: The lock cycle's ratios: celery-lock's against the floor (the goal), the scripted floor and
+#: the floor sent through redis-py's pool.
+CYCLE_RATIOS: tuple[Pair, ...] = (
+    (CELERY_LOCK, FLOOR),
+    (CELERY_LOCK, SCRIPTED_FLOOR),
+    (SCRIPTED_FLOOR, FLOOR),
+    (CELERY_LOCK, FLOOR_POOLED),
+)
 #: Column labels.
-SHORT = {PLAIN: "plain", FLOOR: "floor", LOCKED: "celery-lock", "celery-once": "once",
-         "celery-singleton": "singleton"}  # fmt: skip
+SHORT = {
+    PLAIN: "plain",
+    FLOOR: "floor",
+    LOCKED: "celery-lock",
+    "celery-once": "once",
+    "celery-singleton": "singleton",
+    CELERY_LOCK: "celery-lock",
+    SCRIPTED_FLOOR: "scripted floor",
+    FLOOR_POOLED: "floor through redis-py's pool",
+}
 #: The metrics that include publishing, where celery-once and celery-singleton take their lock:
 #: "ahead of the peers" is judged on these.
 END_TO_END = ("end_to_end", "end_to_end_cpu")
@@ -114,28 +131,37 @@ def median_interval(
 
 
 def _target(pair: Pair, goal: float, metric: str) -> float | None:
-    """What a ratio is held against: the goal for LockedTask / plain Task, 1 (ahead) for
-    LockedTask / a peer end to end, nothing for the rest (shown for reference)."""
-    if pair == (LOCKED, PLAIN):
+    """What a ratio is held against: the goal for LockedTask / plain Task and for the lock cycle
+    against the floor, 1 (ahead) for LockedTask / a peer end to end, nothing for the rest (shown
+    for reference)."""
+    if pair in ((LOCKED, PLAIN), (CELERY_LOCK, FLOOR)):
         return goal
     if pair[0] == LOCKED and pair[1] in PEERS and metric in END_TO_END:
         return 1.0
     return None
 
 
+def _paired(
+    contenders: dict[str, Any], pairs: Iterable[Pair], samples: Callable[[Any], list[float]]
+) -> dict[Pair, list[float]]:
+    """The ratio of each pair whose two contenders ran, one per round."""
+    return {
+        (a, b): paired_ratios(samples(contenders[a]), samples(contenders[b]))
+        for a, b in pairs
+        if a in contenders and b in contenders
+    }
+
+
 def round_ratios(results: dict[str, Any], metric: str) -> dict[str, dict[Pair, list[float]]]:
     """Per worker size, the ratios of each pair in :data:`RATIOS`, one per round of one run."""
-    out: dict[str, dict[Pair, list[float]]] = {}
-    for size, entry in results.get("endtoend", {}).get("by_processes", {}).items():
-        contenders = entry["contenders"]
-        out[size] = {}
-        for numerator, denominator in RATIOS:
-            if numerator in contenders and denominator in contenders:
-                out[size][numerator, denominator] = paired_ratios(
-                    contenders[numerator]["samples"][metric],
-                    contenders[denominator]["samples"][metric],
-                )
-    return out
+    return {
+        size: _paired(entry["contenders"], RATIOS, lambda c: c["samples"][metric])
+        for size, entry in results.get("endtoend", {}).get("by_processes", {}).items()
+    }
+
+
+def _machine(results: dict[str, Any]) -> str:
+    return str(results.get("machine", {}).get("cpu", "unknown machine"))
 
 
 def pool(
@@ -146,10 +172,9 @@ def pool(
         lambda: defaultdict(lambda: defaultdict(list))
     )
     for results in runs:
-        machine = results.get("machine", {}).get("cpu", "unknown machine")
         for size, ratios in round_ratios(results, metric).items():
             for pair, values in ratios.items():
-                rounds[machine][size][pair].extend(values)
+                rounds[_machine(results)][size][pair].extend(values)
     return {
         machine: {
             size: {pair: Pooled(tuple(values)) for pair, values in by_pair.items() if values}
@@ -157,6 +182,40 @@ def pool(
         }
         for machine, by_size in rounds.items()
     }
+
+
+def pool_lock_cycles(runs: Iterable[dict[str, Any]]) -> dict[str, dict[Pair, Pooled]]:
+    """Machine -> ratio of :data:`CYCLE_RATIOS` -> the lock cycle rounds of every run on it."""
+    rounds: dict[str, dict[Pair, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for results in runs:
+        contenders = results.get("lockcycle", {}).get("contenders", {})
+        for pair, values in _paired(contenders, CYCLE_RATIOS, lambda c: c["samples"]).items():
+            rounds[_machine(results)][pair].extend(values)
+    return {
+        machine: {pair: Pooled(tuple(values)) for pair, values in by_pair.items() if values}
+        for machine, by_pair in rounds.items()
+    }
+
+
+def render_lock_cycles(pooled: dict[str, dict[Pair, Pooled]], goal: float, runs: int) -> str:
+    """A Markdown table: a row per machine, a column per ratio of the lock cycle."""
+    pairs = [pair for pair in CYCLE_RATIOS if any(pair in p for p in pooled.values())]
+    rows = [
+        [
+            machine,
+            max(len(p.ratios) for p in by_pair.values()),
+            *(
+                by_pair[pair].cell(goal if pair == (CELERY_LOCK, FLOOR) else None)
+                if pair in by_pair
+                else "-"
+                for pair in pairs
+            ),
+        ]
+        for machine, by_pair in pooled.items()
+    ]
+    headers = ["machine", "rounds", *(f"{SHORT[a]} / {SHORT[b]}" for a, b in pairs)]
+    heading = f"lock cycles per second, {runs} runs pooled:"
+    return f"{heading}\n\n{table(headers, rows)}"
 
 
 def render(
@@ -195,10 +254,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = [json.loads(path.read_text()) for path in args.results]
     with_endtoend = [r for r in runs if "endtoend" in r]
-    if not with_endtoend:
-        print("python -m bench.pool: none of these runs has an endtoend section", file=sys.stderr)
+    with_cycles = [r for r in runs if "lockcycle" in r]
+    if not with_endtoend and not with_cycles:
+        print(
+            "python -m bench.pool: none of these runs has an endtoend or lockcycle section",
+            file=sys.stderr,
+        )
         return 2
-    print(render(pool(with_endtoend, args.metric), args.goal, args.metric, len(with_endtoend)))
+    shown = []
+    if with_endtoend:
+        pooled = pool(with_endtoend, args.metric)
+        shown.append(render(pooled, args.goal, args.metric, len(with_endtoend)))
+    if with_cycles:
+        shown.append(render_lock_cycles(pool_lock_cycles(with_cycles), args.goal, len(with_cycles)))
+    print("\n\n".join(shown))
     return 0
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from bench.endtoend import LOCKED, PLAIN
-from bench.lockcycle import FLOOR
-from bench.pool import Pooled, main, median_interval, pool
+from bench.lockcycle import CELERY_LOCK, FLOOR, SCRIPTED_FLOOR
+from bench.pool import Pooled, main, median_interval, pool, pool_lock_cycles
 
 
 @pytest.mark.parametrize(
@@ -74,10 +74,35 @@ def test_the_command_prints_a_verdict_per_worker_size(
     assert "| 2 | 6 | 0.975 [0.96, 0.99] met |" in " ".join(out.split())
 
 
-def test_the_command_refuses_runs_without_an_endtoend_section(
+def _cycles(cpu: str, rates: dict[str, list[float]]) -> dict[str, Any]:
+    contenders = {name: {"samples": r} for name, r in rates.items()}
+    return {"machine": {"cpu": cpu}, "lockcycle": {"contenders": contenders}}
+
+
+def test_lock_cycles_are_pooled_per_machine_and_held_against_the_goal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = tmp_path / "lockcycle-only.json"
-    path.write_text(json.dumps({"machine": {"cpu": "x"}, "lockcycle": {}}))
+    # celery-lock's cycle keeps 0.7 of the floor's in every round, however fast the round.
+    first = _cycles("A", {FLOOR: [1000, 2000, 4000], CELERY_LOCK: [700, 1400, 2800]})
+    second = _cycles("A", {FLOOR: [500, 900, 3000], CELERY_LOCK: [350, 630, 2100]})
+    pooled = pool_lock_cycles([first, second])
+    assert pooled["A"][CELERY_LOCK, FLOOR].ratios == pytest.approx([0.7] * 6)
+    assert (CELERY_LOCK, SCRIPTED_FLOOR) not in pooled["A"]  # that floor did not run
+    files = []
+    for number, run in enumerate((first, second)):
+        path = tmp_path / f"cycles{number}.json"
+        path.write_text(json.dumps(run))
+        files.append(str(path))
+    assert main(files) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "lock cycles per second, 2 runs pooled" in out
+    assert "| A | 6 | 0.700 [0.70, 0.70] missed |" in out
+
+
+def test_the_command_refuses_runs_without_a_section_it_pools(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "storm-only.json"
+    path.write_text(json.dumps({"machine": {"cpu": "x"}, "storm": {}}))
     assert main([str(path)]) == 2
-    assert "none of these runs has an endtoend section" in capsys.readouterr().err
+    assert "none of these runs has an endtoend or lockcycle section" in capsys.readouterr().err
