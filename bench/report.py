@@ -279,6 +279,25 @@ def _beside_the_floor(locked: dict[str, Any], floor: dict[str, Any] | None) -> s
     return text
 
 
+def _against_the_peers(locked: dict[str, Any], peers: dict[str, dict[str, Any]]) -> str:
+    """celery-lock's end-to-end rate beside the peers', and whether it is ahead: judged, as
+    every ratio here, round by round (medians of the rates, taken apart, would set one round's
+    noise against another's)."""
+    rates = ", ".join(f"{n} {p['end_to_end']['median']:,.0f}/s" for n, p in peers.items())
+    paired = {
+        n: Summary.of(
+            paired_ratios(locked["samples"]["end_to_end"], p["samples"]["end_to_end"])
+        ).median
+        for n, p in peers.items()
+    }
+    ratios = ", ".join(f"{n} {r:.3f}" for n, r in paired.items())
+    ahead = all(r > 1 for r in paired.values())
+    return (
+        f"end to end {locked['end_to_end']['median']:,.0f}/s vs peers {rates}; "
+        f"celery-lock / peer, paired by round: {ratios}" + (" (ahead)" if ahead else " (not ahead)")
+    )
+
+
 def headline(results: dict[str, Any]) -> list[str]:
     """The issue's goals, each with the figure that meets or misses it."""
     lines = []
@@ -308,11 +327,8 @@ def headline(results: dict[str, Any]) -> list[str]:
             c = entry["contenders"].get(LOCKED, {})
             if "worker_ratio" in c:
                 peers = {
-                    n: p["end_to_end"]["median"]
-                    for n, p in entry["contenders"].items()
-                    if n not in (PLAIN, FLOOR, LOCKED)
+                    n: p for n, p in entry["contenders"].items() if n not in (PLAIN, FLOOR, LOCKED)
                 }
-                ahead = all(c["end_to_end"]["median"] > v for v in peers.values())
                 cpu = c.get("worker_cpu_ratio")
                 # The peers lock at publish time and make one round trip in the worker (the DEL
                 # that frees the lock): their ratio is what that one round trip costs here.
@@ -327,10 +343,8 @@ def headline(results: dict[str, Any]) -> list[str]:
                     + (f"; by CPU per task {cpu['median']:.3f}" if cpu else "")
                     + _beside_the_floor(c, entry["contenders"].get(FLOOR))
                     + (f"; peers, one worker round trip: {peer_ratios}" if peer_ratios else "")
-                    + "); end to end "
-                    f"{c['end_to_end']['median']:,.0f}/s vs peers "
-                    + ", ".join(f"{n} {v:,.0f}/s" for n, v in peers.items())
-                    + (" (ahead)" if ahead else " (not ahead)")
+                    + "); "
+                    + _against_the_peers(c, peers)
                 )
     storm = results.get("storm")
     if storm:

@@ -212,22 +212,38 @@ def test_goals_set_the_floor_and_the_peers_worker_ratios_beside_celery_locks() -
     ratios to a plain task are shown beside celery-lock's, as what those round trips cost on the
     machine; celery-lock is set against the floor round by round. The floor is no peer."""
 
-    def contender(worker: float, end_to_end: float, rates: list[float]) -> dict[str, Any]:
+    def contender(worker: float, end_to_end: list[float], rates: list[float]) -> dict[str, Any]:
         return {
             "worker_ratio": {"median": worker},
-            "end_to_end": {"median": end_to_end},
-            "samples": {"worker": rates},
+            "end_to_end": {"median": sorted(end_to_end)[1]},
+            "samples": {"worker": rates, "end_to_end": end_to_end},
         }
 
     by_size = {
-        PLAIN: contender(1.0, 554, [1000, 1100, 900]),
-        FLOOR: contender(0.9, 560, [900, 1000, 800]),
-        LOCKED: contender(0.881, 503, [880, 900, 840]),  # / the floor: 0.978, 0.9, 1.05
-        "celery-once": contender(0.889, 453, [890, 980, 800]),
+        PLAIN: contender(1.0, [554, 600, 500], [1000, 1100, 900]),
+        FLOOR: contender(0.9, [560, 580, 540], [900, 1000, 800]),
+        # / the floor: 0.978, 0.9, 1.05; / celery-once: 1.1, 0.9, 1.2
+        LOCKED: contender(0.881, [550, 450, 600], [880, 900, 840]),
+        "celery-once": contender(0.889, [500, 500, 500], [890, 980, 800]),
     }
     [line] = headline({"endtoend": {"by_processes": {"1": {"contenders": by_size}}}})
     assert line == (
         "1 processes: LockedTask / plain (worker) 0.881 (goal ≥ 0.95; the floor, two round "
         "trips and nothing else: 0.900, LockedTask / the floor 0.978; peers, one worker round "
-        "trip: celery-once 0.889); end to end 503/s vs peers celery-once 453/s (ahead)"
+        "trip: celery-once 0.889); end to end 550/s vs peers celery-once 500/s; celery-lock / "
+        "peer, paired by round: celery-once 1.100 (ahead)"
     )
+
+
+def test_ahead_of_a_peer_is_judged_round_by_round() -> None:
+    """Medians of the rates taken apart say ahead (400/s against 110/s) where the rounds say
+    behind: in two rounds of three celery-lock was slower than the peer beside it."""
+    rounds = {"end_to_end": [100, 400, 500], "worker": [1.0, 1.0, 1.0]}
+    peer = {"end_to_end": [110, 50, 510], "worker": [1.0, 1.0, 1.0]}
+    by_size = {
+        LOCKED: {"worker_ratio": {"median": 1.0}, "end_to_end": {"median": 400}, "samples": rounds},
+        "celery-once": {"end_to_end": {"median": 110}, "samples": peer},
+    }
+    [line] = headline({"endtoend": {"by_processes": {"2": {"contenders": by_size}}}})
+    assert "end to end 400/s vs peers celery-once 110/s" in line
+    assert line.endswith("celery-lock / peer, paired by round: celery-once 0.980 (not ahead)")
