@@ -283,6 +283,9 @@ def _against_the_peers(locked: dict[str, Any], peers: dict[str, dict[str, Any]])
     """celery-lock's end-to-end rate beside the peers', and whether it is ahead: judged, as
     every ratio here, round by round (medians of the rates, taken apart, would set one round's
     noise against another's)."""
+    own = f"end to end {locked['end_to_end']['median']:,.0f}/s"
+    if not peers:  # a run narrowed with --contenders
+        return own
     rates = ", ".join(f"{n} {p['end_to_end']['median']:,.0f}/s" for n, p in peers.items())
     paired = {
         n: Summary.of(
@@ -291,11 +294,8 @@ def _against_the_peers(locked: dict[str, Any], peers: dict[str, dict[str, Any]])
         for n, p in peers.items()
     }
     ratios = ", ".join(f"{n} {r:.3f}" for n, r in paired.items())
-    ahead = all(r > 1 for r in paired.values())
-    return (
-        f"end to end {locked['end_to_end']['median']:,.0f}/s vs peers {rates}; "
-        f"celery-lock / peer, paired by round: {ratios}" + (" (ahead)" if ahead else " (not ahead)")
-    )
+    verdict = "ahead" if all(r > 1 for r in paired.values()) else "not ahead"
+    return f"{own} vs peers {rates}; celery-lock / peer, paired by round: {ratios} ({verdict})"
 
 
 def headline(results: dict[str, Any]) -> list[str]:

@@ -247,3 +247,7 @@ def test_ahead_of_a_peer_is_judged_round_by_round() -> None:
     [line] = headline({"endtoend": {"by_processes": {"2": {"contenders": by_size}}}})
     assert "end to end 400/s vs peers celery-once 110/s" in line
     assert line.endswith("celery-lock / peer, paired by round: celery-once 0.980 (not ahead)")
+    # A run narrowed to other contenders names no peer and judges nothing.
+    del by_size["celery-once"]
+    [line] = headline({"endtoend": {"by_processes": {"2": {"contenders": by_size}}}})
+    assert line.endswith("end to end 400/s")
