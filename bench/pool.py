@@ -69,6 +69,8 @@ SHORT = {
 #: The metrics that include publishing, where celery-once and celery-singleton take their lock:
 #: "ahead of the peers" is judged on these.
 END_TO_END = ("end_to_end", "end_to_end_cpu")
+#: What :func:`_target` is told for the lock cycle's ratios.
+LOCK_CYCLE = "lockcycle"
 CONFIDENCE = 0.95
 
 
@@ -164,6 +166,10 @@ def _machine(results: dict[str, Any]) -> str:
     return str(results.get("machine", {}).get("cpu", "unknown machine"))
 
 
+def _as_pooled(by_pair: dict[Pair, list[float]]) -> dict[Pair, Pooled]:
+    return {pair: Pooled(tuple(values)) for pair, values in by_pair.items() if values}
+
+
 def pool(
     runs: Iterable[dict[str, Any]], metric: str = "worker"
 ) -> dict[str, dict[str, dict[Pair, Pooled]]]:
@@ -177,7 +183,7 @@ def pool(
                 rounds[_machine(results)][size][pair].extend(values)
     return {
         machine: {
-            size: {pair: Pooled(tuple(values)) for pair, values in by_pair.items() if values}
+            size: _as_pooled(by_pair)
             for size, by_pair in sorted(by_size.items(), key=lambda item: int(item[0]))
         }
         for machine, by_size in rounds.items()
@@ -191,51 +197,47 @@ def pool_lock_cycles(runs: Iterable[dict[str, Any]]) -> dict[str, dict[Pair, Poo
         contenders = results.get("lockcycle", {}).get("contenders", {})
         for pair, values in _paired(contenders, CYCLE_RATIOS, lambda c: c["samples"]).items():
             rounds[_machine(results)][pair].extend(values)
-    return {
-        machine: {pair: Pooled(tuple(values)) for pair, values in by_pair.items() if values}
-        for machine, by_pair in rounds.items()
-    }
+    return {machine: _as_pooled(by_pair) for machine, by_pair in rounds.items()}
+
+
+def _table(
+    first: str,
+    rows: dict[str, dict[Pair, Pooled]],
+    ratios: Sequence[Pair],
+    goal: float,
+    metric: str,
+) -> str:
+    """A Markdown table: a row per key of ``rows``, with its count of rounds, and a column per
+    ratio that any row has."""
+    pairs = [pair for pair in ratios if any(pair in by_pair for by_pair in rows.values())]
+    cells = [
+        [
+            label,
+            max(len(p.ratios) for p in by_pair.values()),
+            *(
+                by_pair[pair].cell(_target(pair, goal, metric)) if pair in by_pair else "-"
+                for pair in pairs
+            ),
+        ]
+        for label, by_pair in rows.items()
+    ]
+    return table([first, "rounds", *(f"{SHORT[a]} / {SHORT[b]}" for a, b in pairs)], cells)
 
 
 def render_lock_cycles(pooled: dict[str, dict[Pair, Pooled]], goal: float, runs: int) -> str:
     """A Markdown table: a row per machine, a column per ratio of the lock cycle."""
-    pairs = [pair for pair in CYCLE_RATIOS if any(pair in p for p in pooled.values())]
-    rows = [
-        [
-            machine,
-            max(len(p.ratios) for p in by_pair.values()),
-            *(
-                by_pair[pair].cell(goal if pair == (CELERY_LOCK, FLOOR) else None)
-                if pair in by_pair
-                else "-"
-                for pair in pairs
-            ),
-        ]
-        for machine, by_pair in pooled.items()
-    ]
-    headers = ["machine", "rounds", *(f"{SHORT[a]} / {SHORT[b]}" for a, b in pairs)]
     heading = f"lock cycles per second, {runs} runs pooled:"
-    return f"{heading}\n\n{table(headers, rows)}"
+    return f"{heading}\n\n{_table('machine', pooled, CYCLE_RATIOS, goal, LOCK_CYCLE)}"
 
 
 def render(
     pooled: dict[str, dict[str, dict[Pair, Pooled]]], goal: float, metric: str, runs: int
 ) -> str:
     """One Markdown table per machine: a row per worker size, a column per ratio."""
-    sizes = [by_pair for by_size in pooled.values() for by_pair in by_size.values()]
-    pairs = [pair for pair in RATIOS if any(pair in by_pair for by_pair in sizes)]
-    sections = []
-    for machine, by_size in pooled.items():
-        rows = []
-        for size, by_pair in by_size.items():
-            count = max(len(p.ratios) for p in by_pair.values())
-            cells = [
-                by_pair[pair].cell(_target(pair, goal, metric)) if pair in by_pair else "-"
-                for pair in pairs
-            ]
-            rows.append([size, count, *cells])
-        headers = ["processes", "rounds", *(f"{SHORT[a]} / {SHORT[b]}" for a, b in pairs)]
-        sections.append(f"{machine}:\n\n{table(headers, rows)}")
+    sections = [
+        f"{machine}:\n\n{_table('processes', by_size, RATIOS, goal, metric)}"
+        for machine, by_size in pooled.items()
+    ]
     heading = (
         f"{metric} rate, {runs} runs pooled: the median of every round's paired ratio "
         f"[its {CONFIDENCE:.0%} confidence interval], against the goal where there is one"
