@@ -36,6 +36,29 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_mhz() -> float | None:
+    """The clock of the first core in MHz, from ``/proc/cpuinfo``.
+
+    A VM's model name can stand for several machines ("Intel(R) Xeon(R) Processor" has been a
+    2.1, a 2.6 and a 2.8 GHz machine here, with round trips to Redis three times apart), so the
+    clock goes with it wherever runs are told apart.
+    """
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return round(float(line.split(":", 1)[1]), 1)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def name(machine: dict[str, Any]) -> str:
+    """The CPU a run recorded, with its clock when known: what tells two machines apart."""
+    cpu = str(machine.get("cpu", "unknown machine"))
+    mhz = machine.get("cpu_mhz")
+    return f"{cpu}, {mhz / 1000:.1f} GHz" if mhz else cpu
+
+
 def memory_gib() -> float | None:
     """Total memory in GiB, from ``/proc/meminfo``."""
     try:
@@ -84,6 +107,7 @@ def describe(redis_executable: str) -> dict[str, Any]:
     """Everything :mod:`bench.report` prints about the machine."""
     return {
         "cpu": cpu_model(),
+        "cpu_mhz": cpu_mhz(),
         "cores": os.cpu_count(),
         "memory_gib": memory_gib(),
         "os": f"{platform.system()} {platform.release()}",

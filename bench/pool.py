@@ -9,8 +9,8 @@ distribution; nothing assumed about the noise), so it needs six rounds at least.
 goal, the interval says **met** (it lies above), **missed** (below) or **open** (it straddles the
 goal: more rounds could tell).
 
-Runs are pooled per machine (the CPU the run recorded): the end-to-end section per worker size,
-and the lock cycle (celery-lock's against the floor's, the other goal of 0.95)::
+Runs are pooled per machine (the CPU and clock the run recorded): the end-to-end section per
+worker size, and the lock cycle (celery-lock's against the floor's, the other goal of 0.95)::
 
     python -m bench.pool bench/results/*.json
     python -m bench.pool bench/results/*.json --metric end_to_end --goal 0.95
@@ -31,6 +31,7 @@ from typing import Any
 
 from .endtoend import LOCKED, PLAIN
 from .lockcycle import CELERY_LOCK, FLOOR, FLOOR_POOLED, SCRIPTED_FLOOR
+from .machine import name as machine_name
 from .report import table
 from .stats import paired_ratios
 
@@ -163,7 +164,7 @@ def round_ratios(results: dict[str, Any], metric: str) -> dict[str, dict[Pair, l
 
 
 def _machine(results: dict[str, Any]) -> str:
-    return str(results.get("machine", {}).get("cpu", "unknown machine"))
+    return machine_name(results.get("machine", {}))
 
 
 def _as_pooled(by_pair: dict[Pair, list[float]]) -> dict[Pair, Pooled]:

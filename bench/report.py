@@ -10,6 +10,7 @@ from typing import Any
 
 from .endtoend import LOCKED, PLAIN
 from .lockcycle import CELERY_LOCK, FLOOR, FLOOR_POOLED, SCRIPTED_FLOOR
+from .machine import name as machine_name
 from .stats import Summary, paired_ratios
 from .workers import ROLES
 
@@ -58,7 +59,7 @@ def machine_table(machine: dict[str, Any]) -> str:
     """The machine the numbers come from."""
     packages = ", ".join(f"{k} {v}" for k, v in machine["packages"].items() if v != "-")
     rows = [
-        ("CPU", f"{machine['cpu']} ({machine['cores']} cores)"),
+        ("CPU", f"{machine_name(machine)} ({machine['cores']} cores)"),
         ("memory", f"{machine['memory_gib']} GiB"),
         ("OS", machine["os"]),
         ("Python", machine["python"]),

@@ -37,12 +37,12 @@ def test_a_verdict_needs_the_whole_interval_on_one_side_of_the_goal() -> None:
     assert Pooled((0.99, 0.99, 0.99)).verdict(0.95) == "open"  # too few rounds for an interval
 
 
-def _run(cpu: str, rates: dict[str, list[float]], size: str = "2") -> dict[str, Any]:
+def _run(
+    cpu: str, rates: dict[str, list[float]], size: str = "2", mhz: float | None = None
+) -> dict[str, Any]:
     contenders = {name: {"samples": {"worker": r, "end_to_end": r}} for name, r in rates.items()}
-    return {
-        "machine": {"cpu": cpu},
-        "endtoend": {"by_processes": {size: {"contenders": contenders}}},
-    }
+    machine: dict[str, Any] = {"cpu": cpu} if mhz is None else {"cpu": cpu, "cpu_mhz": mhz}
+    return {"machine": machine, "endtoend": {"by_processes": {size: {"contenders": contenders}}}}
 
 
 def test_rounds_are_paired_within_a_run_and_pooled_per_machine() -> None:
@@ -57,6 +57,20 @@ def test_rounds_are_paired_within_a_run_and_pooled_per_machine() -> None:
     assert ratios == pytest.approx([0.9] * 6)
     assert pooled["A"]["2"][LOCKED, FLOOR].ratios == pytest.approx([90 / 95] * 3)
     assert pooled["B"]["2"][LOCKED, PLAIN].ratios == pytest.approx([0.5, 0.5])
+
+
+def test_one_model_name_at_two_clocks_is_two_machines() -> None:
+    # A VM's CPU says "Intel(R) Xeon(R) Processor" at 2.1 and at 2.6 GHz alike; runs that
+    # recorded no clock (before it was recorded) are pooled by the name alone.
+    xeon = "Intel(R) Xeon(R) Processor"
+    runs = [
+        _run(xeon, {PLAIN: [100, 100], LOCKED: [80, 80]}, mhz=2100.0),
+        _run(xeon, {PLAIN: [100, 100], LOCKED: [95, 95]}, mhz=2599.998),
+        _run(xeon, {PLAIN: [100, 100], LOCKED: [90, 90]}),
+    ]
+    pooled = pool(runs)
+    assert set(pooled) == {f"{xeon}, 2.1 GHz", f"{xeon}, 2.6 GHz", xeon}
+    assert pooled[f"{xeon}, 2.6 GHz"]["2"][LOCKED, PLAIN].ratios == pytest.approx([0.95, 0.95])
 
 
 def test_the_command_prints_a_verdict_per_worker_size(
