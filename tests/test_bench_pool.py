@@ -120,3 +120,35 @@ def test_the_command_refuses_runs_without_a_section_it_pools(
     path.write_text(json.dumps({"machine": {"cpu": "x"}, "storm": {}}))
     assert main([str(path)]) == 2
     assert "none of these runs has an endtoend or lockcycle section" in capsys.readouterr().err
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    """Table rows by worker size: the cells after it, verdicts and the rounds column dropped."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.lstrip().startswith("|") and cells[0] in {"1", "2", "4"}:
+            ratios = [cell.removesuffix(" met").removesuffix(" missed").removesuffix(" open")
+                      for cell in cells[1:] if "[" in cell]  # fmt: skip
+            rows[cells[0]] = ratios
+    return rows
+
+
+def test_the_docs_table_is_what_the_runs_kept_with_the_docs_give(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # docs/benchmarks.md quotes the pooled runs in docs/benchmarks/runs/: the figures must be
+    # the ones bench.pool computes from them, cell for cell.
+    runs = sorted(str(path) for path in (ROOT / "docs" / "benchmarks" / "runs").glob("*.json"))
+    assert runs
+    assert main(runs) == 0
+    out = capsys.readouterr().out
+    pooled = _rows(out.split("Intel(R) Xeon(R) Processor, 2.6 GHz:")[1].split("lock cycles")[0])
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    quoted = _rows(page.split("On an Intel machine at 2.6 GHz")[1].split("There the goal")[0])
+    assert set(quoted) == {"1", "2", "4"}
+    for size, cells in quoted.items():
+        assert cells == pooled[size][: len(cells)], size
