@@ -40,7 +40,7 @@ def cpu_mhz() -> float | None:
     """The clock of the first core in MHz, from ``/proc/cpuinfo``.
 
     A VM's model name can stand for several machines ("Intel(R) Xeon(R) Processor" has been a
-    2.1, a 2.6 and a 2.8 GHz machine here, with round trips to Redis three times apart), so the
+    2.1, a 2.6 and a 2.8 GHz machine here, whose round trips to Redis differ threefold), so the
     clock goes with it wherever runs are told apart.
     """
     try:
