@@ -9,8 +9,9 @@ distribution; nothing assumed about the noise), so it needs six rounds at least.
 goal, the interval says **met** (it lies above), **missed** (below) or **open** (it straddles the
 goal: more rounds could tell).
 
-Runs are pooled per machine (the CPU and clock the run recorded): the end-to-end section per
-worker size, and the lock cycle (celery-lock's against the floor's, the other goal of 0.95)::
+Runs are pooled per machine and server (the CPU, its clock and the redis-server version the run
+recorded): the end-to-end section per worker size, and the lock cycle (celery-lock's against the
+floor's, the other goal of 0.95)::
 
     python -m bench.pool bench/results/*.json
     python -m bench.pool bench/results/*.json --metric end_to_end --goal 0.95
@@ -163,8 +164,11 @@ def round_ratios(results: dict[str, Any], metric: str) -> dict[str, dict[Pair, l
     }
 
 
-def _machine(results: dict[str, Any]) -> str:
-    return machine_name(results.get("machine", {}))
+def _setup(results: dict[str, Any]) -> str:
+    """What a run's rounds are pooled under: its machine (CPU and clock) and its redis-server."""
+    machine = results.get("machine", {})
+    server = machine.get("redis_server")
+    return f"{machine_name(machine)}, redis-server {server}" if server else machine_name(machine)
 
 
 def _as_pooled(by_pair: dict[Pair, list[float]]) -> dict[Pair, Pooled]:
@@ -181,7 +185,7 @@ def pool(
     for results in runs:
         for size, ratios in round_ratios(results, metric).items():
             for pair, values in ratios.items():
-                rounds[_machine(results)][size][pair].extend(values)
+                rounds[_setup(results)][size][pair].extend(values)
     return {
         machine: {
             size: _as_pooled(by_pair)
@@ -197,7 +201,7 @@ def pool_lock_cycles(runs: Iterable[dict[str, Any]]) -> dict[str, dict[Pair, Poo
     for results in runs:
         contenders = results.get("lockcycle", {}).get("contenders", {})
         for pair, values in _paired(contenders, CYCLE_RATIOS, lambda c: c["samples"]).items():
-            rounds[_machine(results)][pair].extend(values)
+            rounds[_setup(results)][pair].extend(values)
     return {machine: _as_pooled(by_pair) for machine, by_pair in rounds.items()}
 
 

@@ -73,6 +73,13 @@ def test_one_model_name_at_two_clocks_is_two_machines() -> None:
     assert pooled[f"{xeon}, 2.6 GHz"]["2"][LOCKED, PLAIN].ratios == pytest.approx([0.95, 0.95])
 
 
+def test_runs_against_two_redis_server_versions_are_pooled_apart() -> None:
+    runs = [_run("A", {PLAIN: [100, 100], LOCKED: [80, 80]}) for _ in range(2)]
+    runs[0]["machine"]["redis_server"] = "6.2.14"
+    runs[1]["machine"]["redis_server"] = "7.0.15"
+    assert set(pool(runs)) == {"A, redis-server 6.2.14", "A, redis-server 7.0.15"}
+
+
 def test_the_command_prints_a_verdict_per_worker_size(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -146,7 +153,8 @@ def test_the_docs_table_is_what_the_runs_kept_with_the_docs_give(
     assert runs
     assert main(runs) == 0
     out = capsys.readouterr().out
-    pooled = _rows(out.split("Intel(R) Xeon(R) Processor, 2.6 GHz:")[1].split("lock cycles")[0])
+    machine = "Intel(R) Xeon(R) Processor, 2.6 GHz, redis-server 6.2.14:"
+    pooled = _rows(out.split(machine)[1].split("lock cycles")[0])
     page = (ROOT / "docs" / "benchmarks.md").read_text()
     quoted = _rows(page.split("On an Intel machine at 2.6 GHz")[1].split("There the goal")[0])
     assert set(quoted) == {"1", "2", "4"}
