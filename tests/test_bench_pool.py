@@ -6,6 +6,7 @@ Pure computation on result files shaped as ``python -m bench`` writes them: no s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,9 @@ import pytest
 from bench.endtoend import LOCKED, PLAIN
 from bench.lockcycle import CELERY_LOCK, FLOOR, SCRIPTED_FLOOR
 from bench.pool import Pooled, main, median_interval, pool, pool_lock_cycles
+
+ROOT = Path(__file__).resolve().parent.parent
+VERDICT = re.compile(r" (met|missed|open)$")
 
 
 @pytest.mark.parametrize(
@@ -129,18 +133,13 @@ def test_the_command_refuses_runs_without_a_section_it_pools(
     assert "none of these runs has an endtoend or lockcycle section" in capsys.readouterr().err
 
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
 def _rows(text: str) -> dict[str, list[str]]:
     """Table rows by worker size: the cells after it, verdicts and the rounds column dropped."""
     rows = {}
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if line.lstrip().startswith("|") and cells[0] in {"1", "2", "4"}:
-            ratios = [cell.removesuffix(" met").removesuffix(" missed").removesuffix(" open")
-                      for cell in cells[1:] if "[" in cell]  # fmt: skip
-            rows[cells[0]] = ratios
+            rows[cells[0]] = [VERDICT.sub("", cell) for cell in cells[1:] if "[" in cell]
     return rows
 
 
