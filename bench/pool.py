@@ -250,6 +250,18 @@ def render(
     return "\n\n".join([heading, *sections])
 
 
+def _read(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
+    """One result file, or the command's usage error naming it (a shell glob that matched
+    nothing arrives as its own pattern)."""
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"{path}: not a result file python -m bench wrote ({exc})")
+    if not isinstance(results, dict):
+        parser.error(f"{path}: not a result file python -m bench wrote (not a JSON object)")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     """Read the result files, pool, print."""
     parser = argparse.ArgumentParser(
@@ -259,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metric", choices=METRICS, default="worker")
     parser.add_argument("--goal", type=float, default=0.95, help="for LockedTask / plain Task")
     args = parser.parse_args(argv)
-    runs = [json.loads(path.read_text()) for path in args.results]
+    runs = [_read(parser, path) for path in args.results]
     with_endtoend = [r for r in runs if "endtoend" in r]
     with_cycles = [r for r in runs if "lockcycle" in r]
     if not with_endtoend and not with_cycles:

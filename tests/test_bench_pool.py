@@ -159,3 +159,18 @@ def test_the_docs_table_is_what_the_runs_kept_with_the_docs_give(
     assert set(quoted) == {"1", "2", "4"}
     for size, cells in quoted.items():
         assert cells == pooled[size][: len(cells)], size
+
+
+@pytest.mark.parametrize(
+    ("name", "content"), [("missing.json", None), ("broken.json", "{"), ("list.json", "[]")]
+)
+def test_the_command_names_a_file_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, content: str | None
+) -> None:
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(path)])
+    assert exit_.value.code == 2
+    assert f"{path}: not a result file python -m bench wrote" in capsys.readouterr().err
