@@ -27,6 +27,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ class Pooled:
         """The median of every round's ratio."""
         return statistics.median(self.ratios)
 
-    @property
+    @cached_property  # read by both cell() and verdict(): sorted once
     def interval(self) -> tuple[float, float] | None:
         """The median's 95% confidence interval; ``None`` below six rounds."""
         return median_interval(self.ratios)
@@ -183,9 +184,10 @@ def pool(
         lambda: defaultdict(lambda: defaultdict(list))
     )
     for results in runs:
+        by_size = rounds[_setup(results)]
         for size, ratios in round_ratios(results, metric).items():
             for pair, values in ratios.items():
-                rounds[_setup(results)][size][pair].extend(values)
+                by_size[size][pair].extend(values)
     return {
         machine: {
             size: _as_pooled(by_pair)
@@ -199,9 +201,10 @@ def pool_lock_cycles(runs: Iterable[dict[str, Any]]) -> dict[str, dict[Pair, Poo
     """Machine -> ratio of :data:`CYCLE_RATIOS` -> the lock cycle rounds of every run on it."""
     rounds: dict[str, dict[Pair, list[float]]] = defaultdict(lambda: defaultdict(list))
     for results in runs:
+        by_pair = rounds[_setup(results)]
         contenders = results.get("lockcycle", {}).get("contenders", {})
         for pair, values in _paired(contenders, CYCLE_RATIOS, lambda c: c["samples"]).items():
-            rounds[_setup(results)][pair].extend(values)
+            by_pair[pair].extend(values)
     return {machine: _as_pooled(by_pair) for machine, by_pair in rounds.items()}
 
 
