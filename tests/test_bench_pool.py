@@ -161,10 +161,13 @@ def kept_runs_pooled() -> str:
     ("machine", "table_starts", "table_ends"),
     [
         ("Intel(R) Xeon(R) Processor, 2.6 GHz", "On an Intel machine at 2.6 GHz", "There the goal"),
-        ("Intel(R) Xeon(R) Processor, 2.0 GHz", "On a fourth Intel machine, at 2.0 GHz",
-         "There celery-lock"),
+        (
+            "Intel(R) Xeon(R) Processor, 2.0 GHz",
+            "On a fourth Intel machine, at 2.0 GHz",
+            "There celery-lock",
+        ),
         ("AMD EPYC, 2.6 GHz", "On an AMD EPYC machine at 2.6 GHz", "Every interval there"),
-    ],  # fmt: skip
+    ],
     ids=["intel-2.6", "intel-2.0", "amd-2.6"],
 )
 def test_the_docs_table_is_what_the_runs_kept_with_the_docs_give(
