@@ -105,13 +105,19 @@ class Heartbeat:
         return min((i for _, i in self._leases.values()), default=self._idle_interval)
 
     def _run(self) -> None:
+        last_beat = _monotonic()
         try:
             while not self._stopping.is_set():
                 with self._guard:
                     interval = self._waiting = self._interval()
-                if self._wake.wait(interval):
+                # Counted from the last beat, not from now: a wake-up (a lease with a shorter
+                # interval, perhaps released again at once) must not start the wait over, or
+                # leases added often enough would keep the others from ever being extended.
+                remaining = last_beat + interval - _monotonic()
+                if remaining > 0 and self._wake.wait(remaining):
                     self._wake.clear()
                     continue
+                last_beat = _monotonic()
                 try:
                     self.beat()
                 except Exception:
@@ -138,13 +144,25 @@ class Heartbeat:
                 logger.warning("celery-lock: heartbeat could not extend leases: %s", exc)
                 for lease in leases:
                     if _monotonic() - lease.confirmed_at >= lease.ttl_ms / 1000:
-                        lease.mark_lost()
+                        self._lost_if_held(lease)
                 continue
             for lease, still_owned in zip(leases, owned, strict=True):
                 if still_owned:
                     lease.confirmed_at = started
                 else:
-                    lease.mark_lost()
+                    self._lost_if_held(lease)
+
+    def _lost_if_held(self, lease: Lease) -> None:
+        """Mark ``lease`` lost, unless its task let go of it while the extend was on its way.
+
+        A task drops its lease from the heartbeat before its release script deletes the lock,
+        so an extend that finds the lock gone for a lease no longer held met that release, not
+        a loss: reporting it would send ``lock_lost`` for a task that ended well.
+        """
+        with self._guard:
+            held = self._leases.get(id(lease), (None, 0.0))[0] is lease
+        if held:
+            lease.mark_lost()
 
     def hand_back(self) -> int:
         """Release every held lease without a done-marker; return how many were released.

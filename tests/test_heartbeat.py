@@ -1,15 +1,22 @@
 """The heartbeat thread's life: started by the first lease, ended by stop(), started again by the
-next lease if it ever ends otherwise. (Its beats against a real Redis are in test_round_trips,
-test_task and the fault tests.)"""
+next lease if it ever ends otherwise; and its beats against a real Redis where leases come and go
+while it works. (More of its beats are in test_round_trips, test_task and the fault tests.)"""
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
+import redis
 
 from celery_lock.heartbeat import Heartbeat
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.store import LockStore
+
+HOLDER = Holder(task_id="task-1", task_name="shop.process", host="host-a", pid=101)
 
 #: Leases are held for this long: no beat runs during a test.
 LONG = 3600.0
@@ -62,3 +69,70 @@ def test_a_thread_that_ended_unexpectedly_is_started_again_by_the_next_lease(
     finally:
         heartbeat.stop()
     assert not second.is_alive()
+
+
+def _granted(store: LockStore, request_key: str, ttl_ms: int) -> Lease:
+    keys = RequestKeys.build("celery-lock", "shop.process", request_key, "shop.process")
+    token = new_token()
+    outcome = store.acquire(keys, token, ttl_ms, HOLDER, 60_000)
+    assert isinstance(outcome, Acquired)
+    return Lease(store, keys, token, ttl_ms, outcome.fence, HOLDER)
+
+
+def test_short_leases_coming_and_going_do_not_starve_a_long_one(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    # A lease with a shorter interval wakes the thread. If each wake-up started the wait over,
+    # short tasks arriving more often than the long lease's interval (threads or gevent pool,
+    # per-task TTLs) would keep it from ever being extended: it would expire under its task.
+    store = LockStore.from_url(lock_url)
+    heartbeat = Heartbeat()
+    long_lease = _granted(store, "long", ttl_ms=1_500)
+    first_confirmed = long_lease.confirmed_at
+    heartbeat.add(long_lease, 0.5)
+    try:
+        deadline = time.monotonic() + 3.0  # two TTLs of the long lease
+        while time.monotonic() < deadline:
+            short = _granted(store, "short", ttl_ms=600)
+            heartbeat.add(short, 0.2)
+            heartbeat.discard(short)
+            store.release(short, success=False, done_ttl_ms=1)
+            time.sleep(0.1)
+        assert lock_redis.exists(long_lease.keys.lock), "the long lease expired unextended"
+        assert long_lease.confirmed_at > first_confirmed
+        assert not long_lease.lost
+    finally:
+        heartbeat.stop()
+        store.client.close()
+
+
+def test_an_extend_that_meets_the_release_is_not_a_loss(
+    lock_url: str, lock_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LockStore.from_url(lock_url)
+    heartbeat = Heartbeat()
+    released, held = _granted(store, "released", 60_000), _granted(store, "taken", 60_000)
+    lost: list[Lease] = []
+    released.on_lost = held.on_lost = lost.append
+    heartbeat.add(released, LONG)
+    heartbeat.add(held, LONG)
+    extend_all = store.extend_all
+
+    def task_ends_meanwhile(leases: list[Lease]) -> list[bool]:
+        # The beat took its list of leases; before its extend arrives, one task ends as
+        # LockedTask ends (dropped from the heartbeat, then released) and the other lease is
+        # taken from its task (its lock deleted while it still holds it).
+        heartbeat.discard(released)
+        assert store.release(released, success=True, done_ttl_ms=60_000)
+        lock_redis.delete(held.keys.lock)
+        return extend_all(leases)
+
+    monkeypatch.setattr(store, "extend_all", task_ends_meanwhile)
+    try:
+        heartbeat.beat()
+    finally:
+        heartbeat.stop()
+        store.client.close()
+    assert lost == [held]
+    assert not released.lost
+    assert held.lost
