@@ -114,8 +114,8 @@ class LockSettings:
 
     @cached_property
     def fence_ttl_ms(self) -> int:
-        """How long a fence counter outlives its last grant, in milliseconds: as long as the
-        lease or the done-marker, whichever lives longer."""
+        """How long a fence counter outlives its last grant or heartbeat, in milliseconds: as
+        long as the lease or the done-marker, whichever lives longer."""
         return max(self.done_ttl_ms, self.ttl_ms)
 
     @cached_property

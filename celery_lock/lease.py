@@ -147,6 +147,9 @@ class Lease:
     ttl_ms: int
     fence: int
     holder: Holder
+    #: How long the heartbeat keeps the fence counter alive, at least, each time it extends the
+    #: lease (milliseconds; 0: it leaves the counter alone).
+    fence_ttl_ms: int = 0
     #: Called once, from the heartbeat thread, when the lease is found lost.
     on_lost: Callable[[Lease], None] | None = None
     #: When the lease was last known to be ours (monotonic seconds).

@@ -56,14 +56,25 @@ return fence
 """
 
 # KEYS[1] - lock
+# KEYS[2] - fence counter
 # ARGV[1] - token
 # ARGV[2] - lease TTL in milliseconds (set, not added)
+# ARGV[3] - fence counter TTL in milliseconds: the counter is made to live at least that long
+#           (never shortened; 0 leaves it alone), so a run that outlasts the TTL the grant gave
+#           it cannot see its counter expire and the next grant's fence start again at 1
 # return 1 if the token still owns the lock and its TTL was reset, 0 if the lease is lost
 EXTEND = """
 local lock = redis.call('GET', KEYS[1])
 local mine = ARGV[1] .. ' '
 if lock and string.sub(lock, 1, #mine) == mine then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    local fence_ttl = tonumber(ARGV[3])
+    if fence_ttl > 0 then
+        local left = redis.call('PTTL', KEYS[2])  -- -2: no counter, -1: kept for ever
+        if left >= 0 and left < fence_ttl then
+            redis.call('PEXPIRE', KEYS[2], fence_ttl)
+        end
+    end
     return 1
 end
 return 0

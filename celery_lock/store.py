@@ -409,6 +409,9 @@ class LockStore:
     def extend_all(self, leases: Sequence[Lease]) -> list[bool]:
         """Reset the TTL of every lease in one pipelined round trip; ``True`` where still owned.
 
+        Each owned lease's fence counter is kept alive at least ``lease.fence_ttl_ms`` from now
+        (never shortened), so a run longer than that TTL does not outlive its counter.
+
         Uses ``EVALSHA`` directly: a pipeline given a ``Script`` checks ``SCRIPT EXISTS`` first,
         which would double the heartbeat's round trips. After ``NOSCRIPT`` the script is loaded
         and the pipeline sent once more (extending is idempotent). A lease whose lock key holds
@@ -425,7 +428,8 @@ class LockStore:
         def send() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for lease in leases:
-                pipe.evalsha(extend.sha, 1, lease.keys.lock, lease.token, lease.ttl_ms)
+                pipe.evalsha(extend.sha, 2, lease.keys.lock, lease.keys.fence, lease.token,
+                             lease.ttl_ms, lease.fence_ttl_ms)  # fmt: skip
             return list(pipe.execute(raise_on_error=False))
 
         def run() -> list[Any]:

@@ -251,7 +251,9 @@ class LockedTask(Task):  # type: ignore[type-arg]
             return self._without_store(exc, settings, keys, args, kwargs)
 
         if isinstance(outcome, Acquired):
-            lease = Lease(store, keys, token, settings.ttl_ms, outcome.fence, holder)
+            lease = Lease(
+                store, keys, token, settings.ttl_ms, outcome.fence, holder, settings.fence_ttl_ms
+            )
             return self._run_with_lease(lease, settings, args, kwargs, request, runtime.heartbeat)
         if isinstance(outcome, Done):
             if outcome.task_id and outcome.task_id == request.id:

@@ -136,3 +136,50 @@ def test_an_extend_that_meets_the_release_is_not_a_loss(
     assert lost == [held]
     assert not released.lost
     assert held.lost
+
+
+def test_a_run_that_outlasts_its_fence_counters_ttl_keeps_the_counter(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    # The grant gives the counter max(done TTL, lease TTL). A run longer than that must not see
+    # its counter expire: the next grant (after this holder paused past its lease) would get
+    # fence 1 again, below the fence the paused holder still writes with.
+    store = LockStore.from_url(lock_url)
+    heartbeat = Heartbeat()
+    keys = RequestKeys.build("celery-lock", "shop.process", "long-run", "shop.process")
+    token = new_token()
+    outcome = store.acquire(keys, token, 400, HOLDER, 1_000)
+    assert outcome == Acquired(fence=1)
+    lease = Lease(store, keys, token, 400, outcome.fence, HOLDER, fence_ttl_ms=1_000)
+    heartbeat.add(lease, 0.1)
+    try:
+        time.sleep(1.6)  # the counter's TTL from the grant has run out
+        assert not lease.lost
+        assert lock_redis.exists(keys.fence)
+    finally:
+        heartbeat.stop()
+    lock_redis.delete(keys.lock)  # the holder paused past its lease
+    assert store.acquire(keys, new_token(), 400, HOLDER, 1_000) == Acquired(fence=2)
+    store.client.close()
+
+
+@pytest.mark.parametrize(
+    ("counter_ttl_ms", "lease_fence_ttl_ms", "expected_ms"),
+    [(300, 60_000, (59_000, 60_000)), (50_000, 1_000, (49_000, 50_000)), (300, 0, (1, 300))],
+    ids=["lengthened", "never-shortened", "left-alone"],
+)
+def test_an_extend_only_ever_lengthens_the_fence_counters_ttl(
+    lock_url: str,
+    lock_redis: redis.Redis,
+    counter_ttl_ms: int,
+    lease_fence_ttl_ms: int,
+    expected_ms: tuple[int, int],
+) -> None:
+    store = LockStore.from_url(lock_url)
+    lease = _granted(store, "counter", 5_000)
+    lease.fence_ttl_ms = lease_fence_ttl_ms
+    lock_redis.pexpire(lease.keys.fence, counter_ttl_ms)
+    assert store.extend_all([lease]) == [True]
+    low, high = expected_ms
+    assert low <= lock_redis.pttl(lease.keys.fence) <= high
+    store.client.close()
