@@ -156,16 +156,17 @@ def test_a_run_that_outlasts_its_fence_counters_ttl_keeps_the_counter(
         time.sleep(1.6)  # the counter's TTL from the grant has run out
         assert not lease.lost
         assert lock_redis.exists(keys.fence)
+        heartbeat.stop()
+        lock_redis.delete(keys.lock)  # the holder paused past its lease
+        assert store.acquire(keys, new_token(), 400, HOLDER, 1_000) == Acquired(fence=2)
     finally:
         heartbeat.stop()
-    lock_redis.delete(keys.lock)  # the holder paused past its lease
-    assert store.acquire(keys, new_token(), 400, HOLDER, 1_000) == Acquired(fence=2)
-    store.client.close()
+        store.client.close()
 
 
 @pytest.mark.parametrize(
     ("counter_ttl_ms", "lease_fence_ttl_ms", "expected_ms"),
-    [(300, 60_000, (59_000, 60_000)), (50_000, 1_000, (49_000, 50_000)), (300, 0, (1, 300))],
+    [(3_000, 60_000, (59_000, 60_000)), (50_000, 1_000, (49_000, 50_000)), (3_000, 0, (1, 3_000))],
     ids=["lengthened", "never-shortened", "left-alone"],
 )
 def test_an_extend_only_ever_lengthens_the_fence_counters_ttl(
@@ -176,10 +177,12 @@ def test_an_extend_only_ever_lengthens_the_fence_counters_ttl(
     expected_ms: tuple[int, int],
 ) -> None:
     store = LockStore.from_url(lock_url)
-    lease = _granted(store, "counter", 5_000)
-    lease.fence_ttl_ms = lease_fence_ttl_ms
-    lock_redis.pexpire(lease.keys.fence, counter_ttl_ms)
-    assert store.extend_all([lease]) == [True]
-    low, high = expected_ms
-    assert low <= lock_redis.pttl(lease.keys.fence) <= high
-    store.client.close()
+    try:
+        lease = _granted(store, "counter", 5_000)
+        lease.fence_ttl_ms = lease_fence_ttl_ms
+        lock_redis.pexpire(lease.keys.fence, counter_ttl_ms)
+        assert store.extend_all([lease]) == [True]
+        low, high = expected_ms
+        assert low <= lock_redis.pttl(lease.keys.fence) <= high
+    finally:
+        store.client.close()
