@@ -10,8 +10,10 @@ Events follow the worker's switch: they are sent only when the worker sends task
 (``celery worker -E`` or ``worker_send_task_events = True``), because ``Task.send_event`` would
 otherwise force them on. ``task-skipped`` is sent by the worker's main process
 (:class:`celery_lock.request.LockedRequest`), so it also follows a switch flipped at run time
-(Flower's ``enable_events``); ``task-lock-lost`` is sent by the pool process, which knows only
-the switch it started with. Nothing is sent for eager or direct calls.
+(Flower's ``enable_events``); ``task-lock-lost``, and ``task-skipped`` for a copy completed as
+SUCCESS under ``skip_as_success`` (which the main process sees as a success), are sent by the
+pool process, which knows only the switch it started with. Nothing is sent for eager or direct
+calls.
 """
 
 from __future__ import annotations

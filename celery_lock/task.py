@@ -48,11 +48,12 @@ from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task
+from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import signals
 from .config import LockSettings
-from .events import TASK_LOCK_LOST, send_task_event
+from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event
 from .exceptions import (
     DuplicateTaskError,
     LockContendedError,
@@ -73,6 +74,22 @@ logger = logging.getLogger(__name__)
 
 #: Message header counting how often a copy was deferred (kept apart from ``retries``).
 DEFERRALS_HEADER = "celery_lock_deferrals"
+#: Set on a request once a call has taken it over: a call that finds it set is a nested one.
+_ENTERED = "_celery_lock_entered"
+#: RabbitMQ's dead-lettering headers, which Celery drops from a message it publishes again
+#: (``celery.app.task.X_DEATH_HEADERS``, Celery 5.6+): RabbitMQ before 4.0.1 takes a copy that
+#: carries them, sent through native delayed delivery, for a dead-letter cycle and drops it.
+X_DEATH_HEADERS = frozenset(
+    {
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+    }
+)
 #: First and longest wait before a deferred copy is tried again, in seconds.
 DEFER_MIN_DELAY = 0.5
 DEFER_MAX_DELAY = 60.0
@@ -89,8 +106,18 @@ class _Ignored:
 
 
 def _run_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
-    """The signature callers use: ``run``'s parameters, without ``self`` for a bound task."""
-    run = cls.__dict__.get("run")
+    """The signature callers use: ``run``'s parameters, without ``self`` for a bound task.
+
+    ``run`` is looked up in ``cls`` and its bases below :class:`LockedTask`, so a subclass that
+    keeps its parent's ``run`` but sets its own ``lock_key`` gets a key of its own; ``None``
+    when none of them defines it (an abstract base)."""
+    run = None
+    for klass in cls.__mro__:
+        if klass is LockedTask:
+            break
+        if "run" in klass.__dict__:
+            run = klass.__dict__["run"]
+            break
     if run is None:
         return None
     if isinstance(run, staticmethod):
@@ -215,11 +242,16 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request_stack.top
-        if request is not None and not request.called_directly:
+        if (
+            request is not None
+            and not request.called_directly
+            and not request.__dict__.get(_ENTERED, False)
+        ):
+            # The request the worker (or apply) pushed for this very call.
+            setattr(request, _ENTERED, True)
             result = self._call_locked(args, kwargs, request)
         else:
-            # A direct call: give the body a request context of its own, as Task.__call__ does.
-            self.push_request(args=args, kwargs=kwargs)
+            self._push_direct_call(request, args, kwargs)
             try:
                 result = self._call_locked(args, kwargs, self.request_stack.top)
             finally:
@@ -230,6 +262,21 @@ class LockedTask(Task):  # type: ignore[type-arg]
             # positions), and two frames fewer cut a skipped copy's cost by a third.
             raise result.exception
         return result
+
+    def _push_direct_call(
+        self, running: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Give a direct call a request context of its own, as ``Task.__call__`` does.
+
+        A call from inside this task's own body finds the running call's request on top:
+        taking it over would rewrite the running call's fence and lease, and a skip would end
+        the running call. ``push_request`` would copy it (id, lease and all, on Celery 5.7), so
+        such a call gets a fresh context: it is a direct call like any other.
+        """
+        if running is not None and not running.called_directly:
+            self.request_stack.push(Context(args=args, kwargs=kwargs))
+        else:
+            self.push_request(args=args, kwargs=kwargs)
 
     def _call_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any], request: Any) -> Any:
         # Per task, every microsecond here is the lock's cost: settings, the store and the
@@ -389,8 +436,16 @@ class LockedTask(Task):  # type: ignore[type-arg]
         # task-skipped is sent by the worker's main process (LockedRequest), which alone knows
         # whether the worker sends task events now.
         meta = skipped_marker(keys.lock, reason, holder)
-        if settings.skip_as_success or request.called_directly:
+        if request.called_directly:
             # A direct call is plain Python: it gets the marker, not Celery's Ignore.
+            return meta
+        if settings.skip_as_success:
+            # A copy completed as SUCCESS reaches the main process as a success, with only its
+            # result's repr: the pool process sends task-skipped itself, as the worker's
+            # switch stood when the process started (like task-lock-lost).
+            if not request.is_eager:
+                fields = SkippedCopy(keys.lock, reason, holder).event_fields()
+                send_task_event(self, TASK_SKIPPED, request.id, request.hostname, **fields)
             return meta
         ignores_result = self.ignore_result or getattr(request, "ignore_result", False)
         if request.id and not request.is_eager and not ignores_result:
@@ -419,7 +474,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
             if exc is not None:
                 raise exc
             raise LockContendedError(keys.lock, holder)
-        headers = dict(request.headers or {})
+        headers = {
+            name: value
+            for name, value in (request.headers or {}).items()
+            if name not in X_DEATH_HEADERS
+        }
         deferrals = int(headers.get(DEFERRALS_HEADER) or getattr(request, DEFERRALS_HEADER, 0) or 0)
         headers[DEFERRALS_HEADER] = deferrals + 1
         countdown = self._defer_delay(deferrals, pttl_ms)

@@ -703,3 +703,30 @@ def test_binding_a_call_matches_signature_bind(
             derive.bind(tuple(positional), named)
     else:
         assert derive.bind(tuple(positional), named) == expected
+
+
+def test_a_subclass_keeping_its_parents_run_keys_by_its_own_lock_key() -> None:
+    class ByA(LockedTask):
+        name = "t.by-a"
+        lock_key = "a"
+
+        def run(self, a: int, b: int) -> None:
+            pass
+
+    class ByB(ByA):
+        name = "t.by-b"
+        lock_key = "b"
+
+    assert ByA._lock_deriver is not None
+    assert ByB._lock_deriver is not None
+    assert ByA._lock_deriver.request_key((1, 2), {}) == "1"
+    assert ByB._lock_deriver.request_key((1, 2), {}) == "2"
+    assert ByB._lock_deriver.request_key((1, 3), {}) == "3"
+
+
+def test_an_abstract_base_without_run_builds_no_deriver() -> None:
+    class Base(LockedTask):
+        abstract = True
+        lock_key = "request_idx"
+
+    assert Base._lock_deriver is None

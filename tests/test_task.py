@@ -15,7 +15,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController
-from celery.signals import task_postrun
+from celery.signals import before_task_publish, task_postrun
 from conftest import wait_for
 
 from celery_lock import (
@@ -33,6 +33,7 @@ from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.runtime import reset_runtime
 from celery_lock.store import LockStore
+from celery_lock.task import DEFERRALS_HEADER
 
 TIMEOUT = 20
 
@@ -117,7 +118,15 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
             return True
         return lost
 
-    return {t.name.split(".", 1)[1]: t for t in (process, pending, stage, flaky, boom, slow)}
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.walk")
+    def walk(self: Any, request_idx: int) -> Any:
+        # Calls itself directly from its own body: the inner call is plain Python.
+        before = (self.request.lock_key, self.request.lock_fence)
+        inner = self(request_idx + 1) if request_idx == 0 else f"walked {request_idx}"
+        seen(self, before=before, inner=inner)
+        return inner
+
+    return {t.name.split(".", 1)[1]: t for t in (process, pending, stage, flaky, boom, slow, walk)}
 
 
 @pytest.fixture
@@ -388,3 +397,59 @@ def test_message_without_key_argument_fails_and_never_runs_unlocked(
     with pytest.raises(LockKeyError, match="request_idx"):
         result.get(timeout=TIMEOUT)
     assert calls.seen == []
+
+
+@pytest.mark.parametrize("inner_held", [False, True], ids=["inner-free", "inner-held"])
+def test_a_task_calling_itself_from_its_body_keeps_its_own_lease(
+    worker: Any,
+    tasks: dict[str, Any],
+    store: LockStore,
+    calls: Calls,
+    lock_redis: redis.Redis,
+    inner_held: bool,
+) -> None:
+    # The inner call finds the outer call's request on top of the task's stack: it must get a
+    # context of its own (a direct call), not take the running call's request over.
+    walk = tasks["walk"]
+    if inner_held:
+        hold(store, walk, 1, "holder-of-1")
+    result = walk.delay(0)
+    value = result.get(timeout=TIMEOUT)
+    outer = next(call for call in calls.seen if call["id"] == result.id)
+    assert (outer["lock_key"], outer["fence"]) == outer["before"]
+    assert outer["lock_key"].endswith(":0}:lock")
+    if inner_held:
+        assert is_skipped(value)  # a direct call's skip: the marker, not an Ignore
+        assert value["reason"] == "running"
+    else:
+        assert value == "walked 1"
+    assert result.state == "SUCCESS"
+    assert lock_redis.get(walk.request_keys((0,), {}).done) == result.id.encode()
+
+
+def test_a_deferred_copy_drops_rabbitmqs_dead_letter_headers(
+    worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    # Celery drops them from a message it publishes again: RabbitMQ < 4.0.1 takes a copy that
+    # carries them through native delayed delivery for a dead-letter cycle, and drops it.
+    republished: list[dict[str, Any]] = []
+
+    def on_publish(headers: dict[str, Any], **_: Any) -> None:
+        if headers.get(DEFERRALS_HEADER):
+            republished.append(headers)
+
+    lease = hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
+    before_task_publish.connect(on_publish, weak=False)
+    try:
+        result = tasks["stage"].apply_async(
+            (7,), headers={"x-death": [{"count": 1}], "x-first-death-queue": "q", "tenant": "a"}
+        )
+        wait_for("the copy to be deferred", lambda: republished, TIMEOUT)
+    finally:
+        before_task_publish.disconnect(on_publish)
+    store.release(lease, success=False, done_ttl_ms=60_000)
+    assert result.get(timeout=TIMEOUT) == "stage"
+    [headers] = republished[:1]
+    assert "x-death" not in headers
+    assert "x-first-death-queue" not in headers
+    assert headers["tenant"] == "a"  # the caller's own headers go along
