@@ -24,41 +24,34 @@ def events_worker(
     return spawn_worker("tests.apps.storm_app", worker_env, "-E", concurrency=2)
 
 
+@pytest.mark.parametrize(
+    ("task", "copy_state"),
+    [("storm.process", SKIPPED), ("storm.process_as_success", "SUCCESS")],
+    ids=["skipped", "skip-as-success"],
+)
 def test_skipped_copy_sends_task_skipped_event(
-    make_producer: Callable[..., Celery], events_worker: CeleryWorker, worker_env: dict[str, str]
+    make_producer: Callable[..., Celery],
+    events_worker: CeleryWorker,
+    worker_env: dict[str, str],
+    task: str,
+    copy_state: str,
 ) -> None:
+    # A copy completed as SUCCESS (skip_as_success) reaches the main process as a success: its
+    # pool process sends the event, and Flower must count it as a skip all the same.
     app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
     with EventTap(app, "task-skipped") as tap:
-        first = app.send_task("storm.process", args=(3,))
+        first = app.send_task(task, args=(3,))
         first.get(timeout=30)
-        copy = app.send_task("storm.process", args=(3,))
-        wait_for("task-skipped", lambda: copy.state == SKIPPED and tap.events)
+        copy = app.send_task(task, args=(3,))
+        wait_for("task-skipped", lambda: copy.state == copy_state and tap.events)
+    if copy_state == "SUCCESS":
+        assert is_skipped(copy.result)
     [event] = tap.events
     assert event["uuid"] == copy.id
-    assert event["name"] == "storm.process"
+    assert event["name"] == task
     assert event["reason"] == "done"
     assert event["holder"] == first.id
-    assert event["lock_key"] == "celery-lock:{storm.process:3}:lock"
+    assert event["lock_key"] == f"celery-lock:{{{task}:3}}:lock"
     assert "skipped" in event["result"]
     assert "args" not in event
     assert "kwargs" not in event
-
-
-def test_a_copy_skipped_as_success_sends_task_skipped_too(
-    make_producer: Callable[..., Celery], events_worker: CeleryWorker, worker_env: dict[str, str]
-) -> None:
-    # Such a copy ends as SUCCESS: the main process sees a success, so the pool process sends
-    # the event. Flower must still count it as a skip.
-    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
-    with EventTap(app, "task-skipped") as tap:
-        first = app.send_task("storm.process_as_success", args=(4,))
-        assert first.get(timeout=30) == 4
-        copy = app.send_task("storm.process_as_success", args=(4,))
-        assert is_skipped(copy.get(timeout=30))
-        wait_for("task-skipped", lambda: tap.events)
-    [event] = tap.events
-    assert event["uuid"] == copy.id
-    assert event["name"] == "storm.process_as_success"
-    assert event["reason"] == "done"
-    assert event["holder"] == first.id
-    assert "skipped" in event["result"]
