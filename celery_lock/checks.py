@@ -4,7 +4,10 @@
   after the marker expired would run its request again;
 * a heartbeat interval above half the lease TTL: one late beat and the lease lapses;
 * a lock store that may evict keys (``maxmemory`` with a policy other than ``noeviction``):
-  an evicted lease lets a second copy in while the first still runs.
+  an evicted lease lets a second copy in while the first still runs;
+* a setting that lost its ``celery_`` prefix (``lock_ttl`` in ``app.conf``), which nothing
+  reads: Django's ``config_from_object("django.conf:settings", namespace="CELERY")`` turns
+  ``CELERY_LOCK_TTL`` into it, where ``celery_lock_ttl`` needs ``CELERY_CELERY_LOCK_TTL``.
 
 Each check reads settings, plus one ``CONFIG GET`` on the lock store (skipped where the server
 refuses it, as managed services often do).
@@ -13,6 +16,7 @@ refuses it, as managed services often do).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -21,7 +25,7 @@ from celery import Celery
 from .config import LockSettings
 from .store import LockStore
 
-__all__ = ["settings_warnings", "store_warnings", "warn_at_startup"]
+__all__ = ["misnamed_settings", "settings_warnings", "store_warnings", "warn_at_startup"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,19 @@ def settings_warnings(app: Celery, name: str, settings: LockSettings) -> list[st
     return found
 
 
+def misnamed_settings(conf: Mapping[str, Any]) -> list[str]:
+    """Keys of ``conf`` that are celery-lock settings without their ``celery_`` prefix."""
+    found = []
+    for setting in LockSettings.setting_names():
+        stripped = setting.removeprefix("celery_")
+        if conf.get(stripped) is not None and conf.get(setting) is None:
+            found.append(
+                f"app.conf has {stripped} but no {setting}, and only {setting} is read: from "
+                f"Django settings loaded with namespace='CELERY', write CELERY_{setting.upper()}"
+            )
+    return found
+
+
 def store_warnings(store: LockStore) -> list[str]:
     """Whether the lock store may evict leases; empty if it cannot tell."""
     try:
@@ -74,7 +91,7 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore]) -> list[str]:
     """Log a warning for every contradiction found in the app's lock settings and stores."""
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 
-    found: list[str] = []
+    found: list[str] = misnamed_settings(app.conf)
     found += settings_warnings(app, "celery_lock", LockSettings.resolve(app.conf))
     for task in app.tasks.values():
         if isinstance(task, LockedTask):

@@ -10,6 +10,7 @@ import pytest
 from celery import Celery
 
 from celery_lock import ConfigurationError, LockedTask, LockSettings
+from celery_lock.checks import misnamed_settings
 
 # One valid, non-default value per setting, and the value it resolves to.
 VALID = {
@@ -240,3 +241,12 @@ def test_task_heartbeat_interval_is_checked_against_the_conf_ttl(app: Celery) ->
         pass
 
     assert long.lock_settings().interval == 120.0
+
+
+def test_a_setting_without_its_celery_prefix_is_named_with_the_one_to_write() -> None:
+    found = misnamed_settings({"lock_ttl": 30, "lock_fail_open": True, "celery_lock_fail_open": 1})
+    assert found == [
+        "app.conf has lock_ttl but no celery_lock_ttl, and only celery_lock_ttl is read: from "
+        "Django settings loaded with namespace='CELERY', write CELERY_CELERY_LOCK_TTL"
+    ]
+    assert misnamed_settings({"celery_lock_ttl": 30, "broker_url": "memory://"}) == []

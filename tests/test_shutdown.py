@@ -135,10 +135,13 @@ def test_worker_warns_about_settings_that_contradict_the_guarantees(
     with RedisServer(
         extra_args=["--maxmemory", "50mb", "--maxmemory-policy", "allkeys-lru"]
     ) as store:
-        conf = json.dumps({"celery_lock_done_ttl": 60})
+        # lock_ttl: how Django's namespace="CELERY" loads a CELERY_LOCK_TTL setting.
+        conf = json.dumps({"celery_lock_done_ttl": 60, "lock_ttl": 30})
         worker = start_worker(STORM_CONF=conf, STORM_LOCK_URL=store.url)
         log = worker.log()
         worker.stop()
     assert "done TTL (60s) is shorter than the broker's visibility timeout (3600s)" in log
     assert "storm.slow_heartbeat: heartbeat interval (6s) is above half the lease TTL (10s)" in log
     assert "maxmemory-policy allkeys-lru" in log
+    assert "app.conf has lock_ttl but no celery_lock_ttl" in log
+    assert "write CELERY_CELERY_LOCK_TTL" in log
