@@ -17,6 +17,7 @@ logs and events show it) or as ``<scope>:<request key>``. Every listing uses ``S
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -28,12 +29,15 @@ from celery import Celery
 
 from .config import LockSettings
 from .exceptions import ConfigurationError
+from .keys import safe_key_part
 from .lease import decode_lock
 from .runtime import lock_store_url
 
 __all__ = ["LeaseInfo", "lock"]
 
 SCAN_BATCH = 500
+#: A key part as :func:`~celery_lock.keys.safe_key_part` writes one it digests.
+_DIGESTED = re.compile(r"[A-Za-z0-9_.:@/+=-]*~[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,18 @@ class LockAdmin:
         self.prefix = prefix
 
     def lock_key(self, name: str) -> str:
-        """The lock key of ``name``: a lock key as logged, or ``<scope>:<request key>``."""
+        """The lock key of ``name``: a lock key as logged, or ``<scope>:<request key>``.
+
+        In the second form both parts are made safe as the library makes them (a long or
+        unsafe request key becomes a readable prefix and a digest), unless they already are:
+        ``shop.process:order 42`` and ``shop.process:order42~<digest>`` name the same lock.
+        """
         if name.startswith(f"{self.prefix}:{{") and name.endswith("}:lock"):
             return name
-        return f"{self.prefix}:{{{name}}}:lock"
+        scope, colon, request_key = name.partition(":")
+        if not colon:
+            return f"{self.prefix}:{{{name}}}:lock"
+        return f"{self.prefix}:{{{_as_stored(scope)}:{_as_stored(request_key)}}}:lock"
 
     def tag(self, lock_key: str) -> str:
         return lock_key.removesuffix(":lock")
@@ -150,6 +162,11 @@ class LockAdmin:
         if keys:
             self.client.delete(*keys)
         return keys
+
+
+def _as_stored(part: str) -> str:
+    """``part`` of a request's name as its keys hold it: made safe, unless it already is."""
+    return part if _DIGESTED.fullmatch(part) else safe_key_part(part)
 
 
 def _escape(text: str) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from celery_lock.keys import RequestKeys
+from celery_lock.keys import RequestKeys, safe_key_part
 from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.store import LockStore
 
@@ -167,3 +167,17 @@ def test_unreachable_store_is_a_clean_error(worker_env: dict[str, str]) -> None:
     assert done.returncode == 1
     assert "cannot reach the lock store" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_request_key_the_library_made_safe_is_found_as_written_and_as_stored(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    stored = safe_key_part("order 42")  # as the library keys it: a prefix and a digest
+    assert stored != "order 42"
+    keys = RequestKeys.build("celery-lock", "storm.process", stored, "storm.process")
+    outcome = store.acquire(keys, new_token(), 30_000, Holder("task-7", "storm.process", "h", 1),
+                            60_000)  # fmt: skip
+    assert isinstance(outcome, Acquired)
+    for name in ("storm.process:order 42", f"storm.process:{stored}", keys.lock):
+        info = json.loads(celery_lock_cli(worker_env, "--json", "show", name).stdout)
+        assert info["lease"]["task_id"] == "task-7", name
