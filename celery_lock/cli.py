@@ -17,7 +17,6 @@ logs and events show it) or as ``<scope>:<request key>``. Every listing uses ``S
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -29,15 +28,13 @@ from celery import Celery
 
 from .config import LockSettings
 from .exceptions import ConfigurationError
-from .keys import safe_key_part
+from .keys import stored_key_part
 from .lease import decode_lock
 from .runtime import lock_store_url
 
 __all__ = ["LeaseInfo", "lock"]
 
 SCAN_BATCH = 500
-#: A key part as :func:`~celery_lock.keys.safe_key_part` writes one it digests.
-_DIGESTED = re.compile(r"[A-Za-z0-9_.:@/+=-]*~[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -80,7 +77,7 @@ class LockAdmin:
         scope, colon, request_key = name.partition(":")
         if not colon:
             return f"{self.prefix}:{{{name}}}:lock"
-        return f"{self.prefix}:{{{_as_stored(scope)}:{_as_stored(request_key)}}}:lock"
+        return f"{self.prefix}:{{{stored_key_part(scope)}:{stored_key_part(request_key)}}}:lock"
 
     def tag(self, lock_key: str) -> str:
         return lock_key.removesuffix(":lock")
@@ -162,11 +159,6 @@ class LockAdmin:
         if keys:
             self.client.delete(*keys)
         return keys
-
-
-def _as_stored(part: str) -> str:
-    """``part`` of a request's name as its keys hold it: made safe, unless it already is."""
-    return part if _DIGESTED.fullmatch(part) else safe_key_part(part)
 
 
 def _escape(text: str) -> str:

@@ -37,12 +37,17 @@ __all__ = [
     "RequestKeys",
     "digest_arguments",
     "safe_key_part",
+    "stored_key_part",
 ]
 
 #: Longest request key (or scope) kept as written; longer ones are digested.
 MAX_KEY_LENGTH = 128
 _READABLE_PREFIX = 40
 _SAFE = re.compile(r"[A-Za-z0-9_.:@/+=-]*")
+#: Hex digits of the digest :func:`safe_key_part` appends.
+_DIGEST_HEX = 32
+#: What :func:`safe_key_part` returns for a part it digests.
+_DIGESTED = re.compile(rf"{_SAFE.pattern}~[0-9a-f]{{{_DIGEST_HEX}}}")
 
 LockKeySpec = str | Callable[..., Any] | None
 
@@ -58,7 +63,13 @@ def safe_key_part(raw: str | bytes) -> str:
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     text = data.decode("ascii", "replace") if isinstance(raw, bytes) else raw
     readable = "".join(c for c in text[:_READABLE_PREFIX] if _SAFE.fullmatch(c))
-    return f"{readable}~{hashlib.sha256(data).hexdigest()[:32]}"
+    return f"{readable}~{hashlib.sha256(data).hexdigest()[:_DIGEST_HEX]}"
+
+
+def stored_key_part(part: str) -> str:
+    """``part`` as the keys hold it, for a name a person typed: :func:`safe_key_part`, unless
+    ``part`` already is what it returns for a part it digests (``order42~<digest>``)."""
+    return part if _DIGESTED.fullmatch(part) else safe_key_part(part)
 
 
 def _canonical(value: Any) -> Any:

@@ -31,6 +31,7 @@ from celery_lock.keys import (
     RequestKeys,
     digest_arguments,
     safe_key_part,
+    stored_key_part,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -730,3 +731,10 @@ def test_an_abstract_base_without_run_builds_no_deriver() -> None:
         lock_key = "request_idx"
 
     assert Base._lock_deriver is None
+
+
+def test_a_typed_name_is_stored_as_the_library_stores_it() -> None:
+    digested = safe_key_part("order 42")
+    assert stored_key_part("order 42") == digested
+    assert stored_key_part(digested) == digested  # already stored: kept, not digested again
+    assert stored_key_part("order-42") == "order-42"

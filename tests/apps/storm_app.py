@@ -43,42 +43,25 @@ def record(task: Any, request_idx: int, started: float) -> None:
     )
 
 
-@app.task(base=LockedTask, bind=True, lock_key="request_idx", name="storm.process")
-def process(self: Any, request_idx: int) -> int:
-    started = time.monotonic()
-    time.sleep(WORK_SECONDS)
-    record(self, request_idx, started)
-    return request_idx
+def _recording(name: str, **options: Any) -> Any:
+    """A LockedTask keyed by ``request_idx`` whose body sleeps and records its run."""
 
-
-@app.task(
-    base=LockedTask,
-    bind=True,
-    lock_key="request_idx",
-    lock_skip_as_success=True,
-    name="storm.process_as_success",
-)
-def process_as_success(self: Any, request_idx: int) -> int:
-    started = time.monotonic()
-    time.sleep(WORK_SECONDS)
-    record(self, request_idx, started)
-    return request_idx
-
-
-def _stage(name: str) -> Any:
-    @app.task(base=LockedTask, bind=True, lock_key="request_idx", lock_scope="request", name=name)
-    def stage(self: Any, request_idx: int) -> int:
+    @app.task(base=LockedTask, bind=True, lock_key="request_idx", name=name, **options)
+    def run(self: Any, request_idx: int) -> int:
         started = time.monotonic()
         time.sleep(WORK_SECONDS)
         record(self, request_idx, started)
         return request_idx
 
-    return stage
+    return run
 
 
-pending = _stage("storm.pending")
-process_stage = _stage("storm.process_stage")
-callback = _stage("storm.callback")
+process = _recording("storm.process")
+process_as_success = _recording("storm.process_as_success", lock_skip_as_success=True)
+# Three stages of one request: they exclude each other, each keeps its own done-marker.
+pending = _recording("storm.pending", lock_scope="request")
+process_stage = _recording("storm.process_stage", lock_scope="request")
+callback = _recording("storm.callback", lock_scope="request")
 
 
 @app.task(base=LockedTask, bind=True, lock_key="request_idx", lock_ttl=2.0, name="storm.long")
