@@ -17,6 +17,7 @@ from .exceptions import (
     LockStateError,
     LockStoreError,
     LockStoreUnavailableError,
+    ResultUnavailableError,
 )
 from .fencing import FencedRedis, StaleFenceError, fenced_set, fenced_update
 from .request import LockedRequest
@@ -45,6 +46,7 @@ __all__ = [
     "LockStoreUnavailableError",
     "LockedRequest",
     "LockedTask",
+    "ResultUnavailableError",
     "StaleFenceError",
     "__version__",
     "fenced_set",

@@ -12,10 +12,13 @@ Every error the library raises on purpose derives from :class:`CeleryLockError`:
     ├── DuplicateTaskError        on_duplicate="raise" and another copy holds the request
     ├── LockContendedError        the request is held and an eager or direct call cannot defer
     ├── LockLostError             the lease of a running task expired or was taken over
+    ├── ResultUnavailableError    follow(): a holder's result will not reach the backend
     └── StaleFenceError           a fenced write carried a fence below the store's
 """
 
 from __future__ import annotations
+
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 __all__ = [
     "CeleryLockError",
@@ -27,6 +30,7 @@ __all__ = [
     "LockStateError",
     "LockStoreError",
     "LockStoreUnavailableError",
+    "ResultUnavailableError",
     "StaleFenceError",
 ]
 
@@ -139,6 +143,32 @@ class LockLostError(CeleryLockError):
 
     def __str__(self) -> str:
         return f"lease on {self.lock_name} was lost while the task ran"
+
+
+class ResultUnavailableError(CeleryLockError, CeleryTimeoutError):
+    """:func:`~celery_lock.follow` reached a holder whose result will not come.
+
+    The holder no longer holds the request, and its result did not reach the result backend
+    within ``follow``'s grace period: the task ignores its result, the result expired, or the
+    task died and its message has not been delivered again yet. A subclass of Celery's
+    ``TimeoutError``, which is what ``follow`` raised before it could tell.
+
+    Args:
+        task_id: the holder's task id.
+        lock_name: the lock's Redis key.
+    """
+
+    def __init__(self, task_id: str, lock_name: str) -> None:
+        super().__init__(task_id, lock_name)
+        self.task_id = task_id
+        self.lock_name = lock_name
+
+    def __str__(self) -> str:
+        return (
+            f"task {self.task_id} no longer holds {self.lock_name} and its result is not in the "
+            "result backend: it ignores results, they expired, or it died and was not delivered "
+            "again yet"
+        )
 
 
 class StaleFenceError(CeleryLockError):

@@ -3,7 +3,7 @@
 A skipped copy stores state ``SKIPPED`` with meta::
 
     {"celery_lock": "skipped", "reason": "running" | "done",
-     "lock_key": "<the lock's Redis key>", "holder": "<task id>"}
+     "lock_key": "<the lock's Redis key>", "holder": "<task id>", "task": "<the copy's task>"}
 
 ``SKIPPED`` is not one of Celery's ready states, so ``AsyncResult.get()`` on a skipped copy would
 wait for ever: use :func:`celery_lock.follow`. With ``celery_lock_skip_as_success = True`` the copy
@@ -23,9 +23,15 @@ SKIPPED = "SKIPPED"
 _MARKER = "celery_lock"
 
 
-def skipped_marker(lock_key: str, reason: str, holder: str) -> dict[str, str]:
+def skipped_marker(lock_key: str, reason: str, holder: str, task: str) -> dict[str, str]:
     """The meta of a skipped copy (and its return value under ``skip_as_success``)."""
-    return {_MARKER: "skipped", "reason": reason, "lock_key": lock_key, "holder": holder}
+    return {
+        _MARKER: "skipped",
+        "reason": reason,
+        "lock_key": lock_key,
+        "holder": holder,
+        "task": task,
+    }
 
 
 def is_skipped(value: Any) -> bool:

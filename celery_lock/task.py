@@ -435,7 +435,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         )
         # task-skipped is sent by the worker's main process (LockedRequest), which alone knows
         # whether the worker sends task events now.
-        meta = skipped_marker(keys.lock, reason, holder)
+        meta = skipped_marker(keys.lock, reason, holder, self.name)
         if request.called_directly:
             # A direct call is plain Python: it gets the marker, not Celery's Ignore.
             return meta

@@ -357,9 +357,14 @@ class EventTap:
     """Collects the events of the given types (``"task-skipped"``...) that reach ``app``'s
     broker while the ``with`` block runs, in a thread of its own.
 
-    ``__enter__`` returns once the tap's queue is bound (bounded by ``ready_timeout``), so every
-    event sent after it is seen; ``__exit__`` stops the thread and closes the connection.
+    ``__enter__`` returns once the tap has received a probe event of its own (bounded by
+    ``ready_timeout``), so every event sent after it is seen, whatever the broker: a Redis
+    broker subscribes a consumer only once it first polls, after its queue is declared.
+    ``__exit__`` stops the thread and closes the connection.
     """
+
+    #: The type of the events the tap sends itself until one comes back.
+    PROBE = "celery-lock-tap-probe"
 
     #: The events seen so far, as dicts (``type``, ``uuid``, ``hostname``, the event's fields).
     events: list[dict[str, Any]]
@@ -367,23 +372,28 @@ class EventTap:
     def __init__(self, app: Any, *types: str, ready_timeout: float = 10.0) -> None:
         self.events = []
         self.ready_timeout = ready_timeout
-        self._connection = app.connection_for_read()
-        self._receiver = app.events.Receiver(
-            self._connection, handlers={kind: self.events.append for kind in types}
-        )
+        self._app = app
         self._ready = threading.Event()
+        handlers = {kind: self.events.append for kind in types}
+        handlers[self.PROBE] = lambda event: self._ready.set()
+        self._connection = app.connection_for_read()
+        self._receiver = app.events.Receiver(self._connection, handlers=handlers)
         self._thread = threading.Thread(target=self._run, name="event-tap", daemon=True)
 
     def _run(self) -> None:
-        # itercapture yields once its queue is bound, then drains until should_stop.
         for _ in self._receiver.itercapture(limit=None, timeout=None, wakeup=False):
-            self._ready.set()
+            pass  # the handlers collect; this only drains until should_stop
 
     def __enter__(self) -> EventTap:
         self._thread.start()
-        if not self._ready.wait(self.ready_timeout):
-            self.__exit__()
-            raise RuntimeError(f"event tap not bound after {self.ready_timeout}s")
+        deadline = time.monotonic() + self.ready_timeout
+        with self._app.events.default_dispatcher() as dispatcher:
+            while not self._ready.is_set():
+                if time.monotonic() >= deadline or not self._thread.is_alive():
+                    self.__exit__()
+                    raise RuntimeError(f"event tap not ready after {self.ready_timeout}s")
+                dispatcher.send(self.PROBE)
+                self._ready.wait(0.1)
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -7,6 +7,7 @@ wheel, started on a free port for this session and stopped by pid at its end.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections import Counter
@@ -185,3 +186,24 @@ def make_producer() -> Iterator[Callable[..., Celery]]:
     yield make
     for app in apps:
         close_producer(app)
+
+
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def rabbitmq_available() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def rabbitmq() -> str:
+    """The RabbitMQ service's URL: a skip without it, but a failure under ``CI=true``."""
+    if not rabbitmq_available():
+        if os.environ.get("CI") == "true":
+            pytest.fail("RabbitMQ is not reachable at 127.0.0.1:5672 and CI=true")
+        pytest.skip("RabbitMQ is not reachable at 127.0.0.1:5672")
+    return RABBITMQ_URL

@@ -388,8 +388,10 @@ def test_exception_tree_matches_the_code(block: Block) -> None:
                 [("self", inspect.Parameter.POSITIONAL_OR_KEYWORD, NO_DEFAULT), *own],
                 cls.__init__,
             )
-        for also in re.findall(r"also an? (\w+)", match["rest"]):
-            assert issubclass(cls, getattr(builtins, also)), f"{cls} is not a {also}"
+        for also in re.findall(r"also an? ([\w.]+)", match["rest"]):
+            module, _, name = also.rpartition(".")
+            base = getattr(importlib.import_module(module) if module else builtins, name)
+            assert issubclass(cls, base), f"{cls} is not a {also}"
     assert documented == _celery_lock_errors()
 
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
-import socket
 import time
 import uuid
 from collections import defaultdict
@@ -34,7 +32,6 @@ pytestmark = pytest.mark.worker
 REQUESTS = 40
 COPIES = 5
 SETTLE_TIMEOUT = 120
-RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -128,23 +125,6 @@ def test_stages_sharing_a_scope_never_overlap_and_each_runs_once(
     assert set(per_stage.values()) == {1}
     assert len(per_stage) == 30 * len(stages)
     assert_no_overlap_and_increasing_fences(runs)
-
-
-def rabbitmq_available() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-@pytest.fixture
-def rabbitmq() -> str:
-    if not rabbitmq_available():
-        if os.environ.get("CI") == "true":
-            pytest.fail("RabbitMQ is not reachable at 127.0.0.1:5672 and CI=true")
-        pytest.skip("RabbitMQ is not reachable at 127.0.0.1:5672")
-    return RABBITMQ_URL
 
 
 @pytest.mark.amqp

@@ -15,6 +15,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import before_task_publish, task_postrun
 from conftest import wait_for
 
@@ -25,6 +26,7 @@ from celery_lock import (
     LockedTask,
     LockKeyError,
     LockLostError,
+    ResultUnavailableError,
     follow,
     is_skipped,
     signals,
@@ -203,6 +205,7 @@ def test_copy_of_running_request_is_skipped(
         "reason": "running",
         "lock_key": "celery-lock:{t.process:7}:lock",
         "holder": "holder-id",
+        "task": "t.process",
     }
     assert calls.seen == []
 
@@ -218,6 +221,53 @@ def test_copy_of_done_request_is_skipped_and_follows_to_holder(
     assert copy.info["reason"] == "done"
     assert copy.info["holder"] == first.id
     assert calls.count("t.process") == 1
+
+
+def skipped_copy(task: Any, request_idx: int, reason: str) -> Any:
+    copy = task.delay(request_idx)
+    wait_for("the copy to be SKIPPED", lambda: copy.state == SKIPPED, TIMEOUT)
+    assert copy.info["reason"] == reason
+    return copy
+
+
+def test_follow_raises_when_a_done_holder_left_no_result(
+    worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    # The holder finished (its done-marker names it) but its result is gone: expired, or ignored.
+    store.release(hold(store, tasks["process"], 7, "gone-id"), success=True, done_ttl_ms=60_000)
+    copy = skipped_copy(tasks["process"], 7, "done")
+    with pytest.raises(ResultUnavailableError) as caught:
+        follow(copy, timeout=TIMEOUT, grace=0.3)
+    assert (caught.value.task_id, caught.value.lock_name) == ("gone-id", copy.info["lock_key"])
+
+
+def test_follow_waits_while_the_holder_holds_then_raises_once_it_let_go(
+    worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    lease = hold(store, tasks["process"], 7, "quiet-id")  # a holder that ignores its result
+    copy = skipped_copy(tasks["process"], 7, "running")
+    with pytest.raises(CeleryTimeoutError) as caught:
+        follow(copy, timeout=1.0, grace=0.1)
+    assert not isinstance(caught.value, ResultUnavailableError)  # it still holds: still running
+    store.release(lease, success=True, done_ttl_ms=60_000)
+    with pytest.raises(ResultUnavailableError):
+        follow(copy, timeout=TIMEOUT, grace=0.3)
+
+
+def test_follow_gives_a_released_holder_grace_to_store_its_result(
+    celery_app: Celery, worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    lease = hold(store, tasks["process"], 7, "late-id")
+    copy = skipped_copy(tasks["process"], 7, "running")
+    store.release(lease, success=True, done_ttl_ms=60_000)
+    # The worker stores a result after its release: give it a moment.
+    late = threading.Timer(0.5, celery_app.backend.store_result, ("late-id", "late", "SUCCESS"))
+    late.start()
+    try:
+        assert follow(copy, timeout=TIMEOUT, grace=3.0) == "late"
+    finally:
+        late.cancel()
+        late.join(TIMEOUT)
 
 
 def test_redelivery_of_succeeded_message_keeps_success(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,13 @@ from celery import Celery
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_lock.testing import CeleryWorker, RedisServer, find_redis_server, free_port
+from celery_lock.testing import (
+    CeleryWorker,
+    EventTap,
+    RedisServer,
+    find_redis_server,
+    free_port,
+)
 
 HELPER_APPS = Path(__file__).parent / "helper_apps"
 NO_RETRY = Retry(NoBackoff(), 0)  # redis-py retries timeouts/connection errors by default
@@ -193,3 +200,29 @@ def test_celery_worker_reports_startup_failure(tmp_path: Path) -> None:
 def test_celery_worker_needs_info_logging() -> None:
     with pytest.raises(ValueError, match="INFO"):
         CeleryWorker("helper_apps.echo_app", loglevel="WARNING")
+
+
+# -- EventTap ------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["redis", pytest.param("amqp", marks=pytest.mark.amqp)])
+def broker_url(request: pytest.FixtureRequest, server: RedisServer) -> str:
+    if request.param == "amqp":
+        return str(request.getfixturevalue("rabbitmq"))
+    return server.url_for(0)
+
+
+def test_event_tap_is_ready_with_no_worker_and_sees_the_next_event(broker_url: str) -> None:
+    # No worker sends heartbeats here: the tap must not wait for someone else's first event
+    # (over AMQP, a consumer with nothing to read never returns from its first poll).
+    app = Celery("tap", broker=broker_url, set_as_current=False)
+    try:
+        with EventTap(app, "task-skipped", ready_timeout=5) as tap:
+            with app.events.default_dispatcher() as dispatcher:
+                dispatcher.send("task-skipped", uuid="copy-id", lock_key="k")
+            deadline = time.monotonic() + 10
+            while not tap.events and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert [(e["type"], e["uuid"]) for e in tap.events] == [("task-skipped", "copy-id")]
+    finally:
+        app.close()
