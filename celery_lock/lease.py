@@ -157,6 +157,8 @@ class Lease:
     # A plain flag (set once, by the heartbeat thread): a threading.Event per lease cost
     # each task a lock and a condition that nobody waits on.
     _lost: bool = field(default=False, repr=False)
+    #: Set by the task that releases it, once (a replaced body releases before it ends).
+    released: bool = field(default=False, repr=False)
 
     @property
     def lost(self) -> bool:

@@ -47,7 +47,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn
 
-from celery import Task
+from celery import Signature, Task
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
@@ -376,7 +376,25 @@ class LockedTask(Task):  # type: ignore[type-arg]
             heartbeat.discard(lease)
             self._release(lease, settings, success=success)
 
+    def on_replace(self, sig: Signature[Any]) -> Any:
+        """Hand the request on to ``sig``: release this run's lease (no done-marker), then send
+        ``sig`` as Celery does.
+
+        Released first because the replacement inherits this task id: sent first, a
+        replacement locked on the same request (a paginating task replacing itself) would find
+        the lease held by its own task id and wait for it to lapse, or, eager, fail with
+        :class:`LockContendedError`.
+        """
+        lease: Lease | None = getattr(self.request, "lock_lease", None)
+        if lease is not None:
+            get_runtime(self.app).heartbeat.discard(lease)
+            self._release(lease, self.lock_settings(), success=False)
+        return super().on_replace(sig)
+
     def _release(self, lease: Lease, settings: LockSettings, *, success: bool) -> None:
+        if lease.released:
+            return
+        lease.released = True
         try:
             owned = lease.store.release(lease, success=success, done_ttl_ms=settings.done_ttl_ms)
         except LockStoreError as exc:

@@ -128,7 +128,16 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
         seen(self, before=before, inner=inner)
         return inner
 
-    return {t.name.split(".", 1)[1]: t for t in (process, pending, stage, flaky, boom, slow, walk)}
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.hop")
+    def hop(self: Any, request_idx: int, hops: int) -> str:
+        # Hands its request on to a copy of itself, as a paginating task does.
+        seen(self, hops=hops)
+        if hops:
+            return self.replace(self.si(request_idx, hops - 1))
+        return f"landed {request_idx}"
+
+    every = (process, pending, stage, flaky, boom, slow, walk, hop)
+    return {t.name.split(".", 1)[1]: t for t in every}
 
 
 @pytest.fixture
@@ -268,6 +277,48 @@ def test_follow_gives_a_released_holder_grace_to_store_its_result(
     finally:
         late.cancel()
         late.join(TIMEOUT)
+
+
+@pytest.fixture
+def lock_at_publish(lock_redis: redis.Redis) -> Iterator[list[bool]]:
+    """Whether the lock of ``t.hop``'s request 7 was held each time a ``t.hop`` was sent."""
+    held: list[bool] = []
+
+    def on_publish(headers: dict[str, Any], **_: Any) -> None:
+        if headers.get("task") == "t.hop":
+            held.append(bool(lock_redis.exists("celery-lock:{t.hop:7}:lock")))
+
+    before_task_publish.connect(on_publish, weak=False)
+    yield held
+    before_task_publish.disconnect(on_publish)
+
+
+def test_replace_hands_the_request_on_and_the_last_run_marks_it_done(
+    worker: Any,
+    tasks: dict[str, Any],
+    calls: Calls,
+    lock_redis: redis.Redis,
+    lock_at_publish: list[bool],
+) -> None:
+    result = tasks["hop"].delay(7, 2)
+    assert result.get(timeout=TIMEOUT) == "landed 7"
+    # The replacements inherit the task id; each finds the lease free, not held by its own id.
+    assert lock_at_publish == [False, False, False]
+    assert [(c["hops"], c["fence"], c["id"]) for c in calls.seen] == [
+        (2, 1, result.id), (1, 2, result.id), (0, 3, result.id)
+    ]  # fmt: skip
+    keys: RequestKeys = tasks["hop"].request_keys((7, 0), {})
+    assert not lock_redis.exists(keys.lock)
+    assert lock_redis.get(keys.done) == result.id.encode()
+
+
+def test_replace_hands_the_request_on_in_an_eager_call(
+    tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    # Eager, the replacement runs inside the replaced body: a lease still held would refuse it.
+    assert tasks["hop"].apply((7, 2)).get() == "landed 7"
+    assert [(c["hops"], c["fence"]) for c in calls.seen] == [(2, 1), (1, 2), (0, 3)]
+    assert not lock_redis.exists("celery-lock:{t.hop:7}:lock")
 
 
 def test_redelivery_of_succeeded_message_keeps_success(
