@@ -12,7 +12,7 @@ Every error the library raises on purpose derives from :class:`CeleryLockError`:
     ├── DuplicateTaskError        on_duplicate="raise" and another copy holds the request
     ├── LockContendedError        the request is held and an eager or direct call cannot defer
     ├── LockLostError             the lease of a running task expired or was taken over
-    ├── ResultUnavailableError    follow(): a holder's result will not reach the backend
+    ├── ResultUnavailableError    follow(): a finished holder's result is not in the backend
     └── StaleFenceError           a fenced write carried a fence below the store's
 """
 
@@ -148,10 +148,10 @@ class LockLostError(CeleryLockError):
 class ResultUnavailableError(CeleryLockError, CeleryTimeoutError):
     """:func:`~celery_lock.follow` reached a holder whose result will not come.
 
-    The holder no longer holds the request, and its result did not reach the result backend
-    within ``follow``'s grace period: the task ignores its result, the result expired, or the
-    task died and its message has not been delivered again yet. A subclass of Celery's
-    ``TimeoutError``, which is what ``follow`` raised before it could tell.
+    The holder completed the request (its done-marker names it), but its result did not reach
+    the result backend within ``follow``'s grace period: the task ignores its result, or the
+    result expired. A subclass of Celery's ``TimeoutError``, which is what ``follow`` raised
+    before it could tell.
 
     Args:
         task_id: the holder's task id.
@@ -165,9 +165,8 @@ class ResultUnavailableError(CeleryLockError, CeleryTimeoutError):
 
     def __str__(self) -> str:
         return (
-            f"task {self.task_id} no longer holds {self.lock_name} and its result is not in the "
-            "result backend: it ignores results, they expired, or it died and was not delivered "
-            "again yet"
+            f"task {self.task_id} completed {self.lock_name} but its result is not in the "
+            "result backend: it ignores results, or they expired"
         )
 
 

@@ -21,7 +21,7 @@ from celery.states import PENDING
 
 from .config import LockSettings
 from .exceptions import CeleryLockError, ResultUnavailableError
-from .lease import decode_lock
+from .keys import safe_key_part
 from .runtime import get_runtime
 from .states import SKIPPED
 from .store import LockStore
@@ -45,31 +45,29 @@ def follow(
         interval: seconds between polls of the result backend.
         propagate: re-raise the task's exception, as ``AsyncResult.get`` does.
         max_hops: how many skipped copies to follow before giving up.
-        grace: seconds a holder's result may take to reach the backend once its lease is gone.
+        grace: seconds a finished holder's result may take to reach the backend.
 
     Raises:
         celery.exceptions.TimeoutError: nothing was ready within ``timeout``.
-        celery_lock.ResultUnavailableError: the holder no longer holds the request and its
-            result did not reach the backend within ``grace`` (it ignores results, they
-            expired, or it died and was not redelivered yet).
+        celery_lock.ResultUnavailableError: the holder completed the request, but its result
+            did not reach the backend within ``grace`` (it ignores results, or they expired).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     current = result
     holding: _Holding | None = None
     for _ in range(max_hops + 1):
-        released_at: float | None = None
+        finished_at: float | None = None
         while True:
             state = current.state
             if state == SKIPPED or current.ready():
                 break
             now = time.monotonic()
             if holding is not None and state == PENDING:
-                # PENDING is also what a result that never comes looks like: ask the lock store.
-                if holding.still_held():
-                    released_at = None
-                elif released_at is None:
-                    released_at = now
-                elif now - released_at >= grace:
+                # PENDING is also what a result that never comes looks like: one that a
+                # finished holder did not store (it ignores results) or that expired.
+                if finished_at is None and holding.finished():
+                    finished_at = now
+                if finished_at is not None and now - finished_at >= grace:
                     raise ResultUnavailableError(current.id, holding.lock_key)
             if deadline is not None and now >= deadline:
                 raise CeleryTimeoutError(f"task {current.id} not ready after {timeout}s")
@@ -86,26 +84,32 @@ def follow(
 
 
 class _Holding:
-    """Whether the task a skipped copy named still holds the copy's request."""
+    """Whether the task a skipped copy named has finished its request."""
 
     def __init__(self, app: Celery, holder: str, skipped: dict[str, Any]) -> None:
         self.app = app
         self.holder = holder
         self.lock_key = str(skipped.get("lock_key", ""))
         self.task_name = skipped.get("task")
-        # A copy skipped as done was skipped after its holder had finished.
-        self.finished = skipped.get("reason") == "done"
+        # Skipped as done: the holder had finished before the copy was skipped.
+        self._finished = skipped.get("reason") == "done"
 
-    def still_held(self) -> bool:
-        if self.finished:
-            return False
+    def finished(self) -> bool:
+        """Whether the holder completed the request: its done-marker names it.
+
+        A holder skipped as ``running`` is a copy of the same task (a copy of another task in
+        the scope is deferred, never skipped), so its done-marker is the copy's task's. A holder
+        that died or failed writes none: its rerun, or its ``FAILURE``, is still to come.
+        """
+        if self._finished or not self.task_name:
+            return self._finished
+        done_key = f"{self.lock_key.removesuffix(':lock')}:done:{safe_key_part(self.task_name)}"
         try:
-            value = self._store().client.get(self.lock_key)
-            return value is not None and decode_lock(value).holder.task_id == self.holder
+            done = self._store().client.get(done_key)
         except (redis.RedisError, CeleryLockError):
-            return True  # the store cannot tell: keep waiting, as for a running holder
-        except (ValueError, KeyError, TypeError):
-            return False  # not a lock celery-lock wrote: nobody holds it for the holder
+            return False  # the store cannot tell: keep waiting, as for a running holder
+        self._finished = done is not None and done.decode(errors="replace") == self.holder
+        return self._finished
 
     def _store(self) -> LockStore:
         """The lock store of the skipped copy's task: its own settings when this app knows

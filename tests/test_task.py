@@ -250,17 +250,23 @@ def test_follow_raises_when_a_done_holder_left_no_result(
     assert (caught.value.task_id, caught.value.lock_name) == ("gone-id", copy.info["lock_key"])
 
 
-def test_follow_waits_while_the_holder_holds_then_raises_once_it_let_go(
-    worker: Any, tasks: dict[str, Any], store: LockStore
+@pytest.mark.parametrize("completed", [True, False], ids=["completed", "failed-or-died"])
+def test_follow_waits_for_a_running_holder_and_raises_only_once_it_completed_unstored(
+    worker: Any, tasks: dict[str, Any], store: LockStore, completed: bool
 ) -> None:
     lease = hold(store, tasks["process"], 7, "quiet-id")  # a holder that ignores its result
     copy = skipped_copy(tasks["process"], 7, "running")
     with pytest.raises(CeleryTimeoutError) as caught:
         follow(copy, timeout=1.0, grace=0.1)
     assert not isinstance(caught.value, ResultUnavailableError)  # it still holds: still running
-    store.release(lease, success=True, done_ttl_ms=60_000)
-    with pytest.raises(ResultUnavailableError):
-        follow(copy, timeout=TIMEOUT, grace=0.3)
+    store.release(lease, success=completed, done_ttl_ms=60_000)
+    if completed:  # done, and no result: it never comes
+        with pytest.raises(ResultUnavailableError):
+            follow(copy, timeout=TIMEOUT, grace=0.3)
+    else:  # no done-marker: its rerun (or its FAILURE) is still to come, so wait for it
+        with pytest.raises(CeleryTimeoutError) as caught:
+            follow(copy, timeout=1.5, grace=0.1)
+        assert not isinstance(caught.value, ResultUnavailableError)
 
 
 def test_follow_gives_a_released_holder_grace_to_store_its_result(
