@@ -108,7 +108,9 @@ class _Holding:
             done = self._store().client.get(done_key)
         except (redis.RedisError, CeleryLockError):
             return False  # the store cannot tell: keep waiting, as for a running holder
-        self._finished = done is not None and done.decode(errors="replace") == self.holder
+        if isinstance(done, bytes):
+            done = done.decode(errors="replace")
+        self._finished = done == self.holder
         return self._finished
 
     def _store(self) -> LockStore:
