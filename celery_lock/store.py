@@ -248,9 +248,10 @@ class LockStore:
 
         The connection is taken from the client's pool once and held: checking one out and back
         in per command costs redis-py about 40 µs of CPU, a third of a round trip's client-side
-        cost (``bench/``). A failed command leaves it disconnected, and the next one reconnects
-        it (with the ``run_id`` check). Used by another thread meanwhile (the heartbeat handing
-        leases back at shutdown), the command goes through the pool instead.
+        cost (``bench/``). A command that fails short of a whole reply, whatever the exception,
+        leaves it disconnected, and the next one reconnects it (with the ``run_id`` check).
+        Used by another thread meanwhile (the heartbeat handing leases back at shutdown), the
+        command goes through the pool instead.
         """
         if not self._own_guard.acquire(blocking=False):
             return self.client.execute_command(*command)  # type: ignore[no-untyped-call]
@@ -259,13 +260,23 @@ class LockStore:
             if connection is None:
                 connection = self._own = _check_out(self.client.connection_pool)
                 self._packs = _packs_with_hiredis(connection)
-            if self._packs:
-                # The bytes send_command would send, packed in one C call: about 10 µs of
-                # CPU per command less than going through redis-py's packer (bench/).
-                connection.send_packed_command((_pack_command(command),))
-            else:
-                connection.send_command(*command)
-            return connection.read_response()
+            try:
+                if self._packs:
+                    # The bytes send_command would send, packed in one C call: about 10 µs of
+                    # CPU per command less than going through redis-py's packer (bench/).
+                    connection.send_packed_command((_pack_command(command),))
+                else:
+                    connection.send_command(*command)
+                return connection.read_response()
+            except redis.ResponseError:
+                raise  # an error reply, read in full: the connection is in step
+            except BaseException:
+                # redis-py disconnects on an error inside the send or the read, but not on one
+                # raised between them (a signal handler: a soft time limit, SIGTERM's
+                # SystemExit). The reply would stay unread, and the next command on this held
+                # connection, which the pool never checks, would read it as its own.
+                connection.disconnect()
+                raise
         finally:
             self._own_guard.release()
 

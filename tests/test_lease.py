@@ -190,3 +190,32 @@ def test_holder_is_described_as_json_dumps_would(
         {"task_id": task_id, "task": task_name, "host": host, "pid": pid, "since": since}
     )
     assert decode_lock(f"token 3 {described}") == LockEntry(fence=3, holder=holder, since_ms=since)
+
+
+class SignalHandlerRaised(Exception):
+    """What a soft time limit or SIGTERM's handler raises, wherever the code happens to be."""
+
+
+def test_an_exception_between_send_and_read_does_not_shift_later_replies(lock_url: str) -> None:
+    store, other = LockStore.from_url(lock_url), LockStore.from_url(lock_url)
+    held_elsewhere = RequestKeys.build("celery-lock", "shop.process", "43", "shop.process")
+    assert isinstance(acquire(other, new_token(), OTHER, held_elsewhere), Acquired)
+    store._load(store.scripts.release)  # so the lost reply is the release's own, not NOSCRIPT
+    token = new_token()
+    assert acquire(store, token) == Acquired(fence=1)
+    connection = store._own
+    send = connection.send_packed_command if store._packs else connection.send_command
+
+    def send_then_raise(*args: object, **kwargs: object) -> None:
+        send(*args, **kwargs)
+        raise SignalHandlerRaised  # after the command went out, before its reply is read
+
+    attribute = "send_packed_command" if store._packs else "send_command"
+    setattr(connection, attribute, send_then_raise)
+    with pytest.raises(SignalHandlerRaised):
+        store.release(lease_for(store, token, 1), success=True, done_ttl_ms=60_000)
+    setattr(connection, attribute, send)
+    # The release's reply must not be read as this acquire's: the request is held elsewhere.
+    assert isinstance(acquire(store, new_token(), keys=held_elsewhere), Held)
+    store.client.close()
+    other.client.close()
