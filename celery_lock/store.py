@@ -329,7 +329,9 @@ class LockStore:
 
         The failed first try is replayed as tenacity's attempt 1, so the count of tries, the
         waits and the log lines are those of a retry loop that ran every try, and the deadline
-        is measured from the start of the first try.
+        is measured from the start of the first try. One retry follows whatever the deadline:
+        a first try that timed out (5 s, past the deadline) may have run on the server, and only
+        a retry with the same token finds out.
         """
         replay: list[Exception] = [first_failure]
 
@@ -342,7 +344,8 @@ class LockStore:
         remaining = self.retry_deadline - (_monotonic() - started)
         retrying = Retrying(
             retry=retry_if_exception(lambda exc: isinstance(exc, TRANSIENT_ERRORS)),
-            stop=stop_after_attempt(self.retry_attempts) | stop_after_delay(remaining),
+            stop=stop_after_attempt(self.retry_attempts)
+            | (stop_after_delay(remaining) & stop_after_attempt(2)),
             wait=wait_random_exponential(multiplier=0.05, max=0.5),
             before_sleep=_log_retry(f"{what} of {lock_name}", self.retry_attempts),
             reraise=True,

@@ -41,6 +41,8 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController
 from conftest import command_calls, settle, wait_for
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_lock import (
     SKIPPED,
@@ -135,7 +137,8 @@ class ReplyDropper:
 
     ``drop_reply_to(marker)`` arms it: the next command whose bytes contain ``marker`` reaches
     the server and runs there, but the proxy closes the client's connection instead of passing
-    the reply on, as a network cut between the write and its reply would.
+    the reply on, as a network cut between the write and its reply would. With ``hang=True``
+    it keeps the connection open and the reply to itself: the client's read times out.
     """
 
     def __init__(self, upstream_port: int) -> None:
@@ -144,7 +147,7 @@ class ReplyDropper:
         self.listener.settimeout(0.1)
         self.port = self.listener.getsockname()[1]
         self.dropped = 0
-        self._armed: list[bytes] = []
+        self._armed: list[tuple[bytes, bool]] = []
         self._guard = threading.Lock()
         self._stopping = threading.Event()
         self._sockets: list[socket.socket] = []
@@ -155,9 +158,9 @@ class ReplyDropper:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def drop_reply_to(self, marker: bytes) -> None:
+    def drop_reply_to(self, marker: bytes, *, hang: bool = False) -> None:
         with self._guard:
-            self._armed.append(marker)
+            self._armed.append((marker, hang))
 
     def close(self) -> None:
         self._stopping.set()
@@ -197,10 +200,11 @@ class ReplyDropper:
         with contextlib.suppress(OSError):
             while data := client.recv(65536):
                 with self._guard:
-                    for marker in self._armed:
+                    for marker, hang in self._armed:
                         if marker in data:
-                            self._armed.remove(marker)
-                            state["drop"] = True  # set before the command can be answered
+                            self._armed.remove((marker, hang))
+                            # Set before the command can be answered.
+                            state["drop"] = "hang" if hang else "cut"
                             break
                 upstream.sendall(data)
         self._cut(client, upstream)
@@ -211,7 +215,10 @@ class ReplyDropper:
                 if state["drop"]:
                     with self._guard:
                         self.dropped += 1
-                    break  # the command ran; its reply is lost with the connection
+                    if state["drop"] == "cut":
+                        break  # the command ran; its reply is lost with the connection
+                    state["drop"] = False
+                    continue  # the command ran; its reply never comes
                 client.sendall(data)
         self._cut(client, upstream)
 
@@ -545,6 +552,25 @@ def test_acquire_whose_reply_is_lost_is_granted_on_retry(
     assert (command_calls(admin) - before)["evalsha"] == 2  # it ran twice: once unanswered
     assert admin.get(KEYS.lock).startswith(f"{token} 1 ".encode())
     assert admin.get(KEYS.fence) == b"1"  # one grant, one fence
+
+
+def test_acquire_whose_reply_timed_out_past_the_deadline_is_granted_on_retry(
+    proxy: ReplyDropper, admin: redis.Redis
+) -> None:
+    """A read timeout longer than the retry deadline (5 s against 2 s by default) still gets
+    the one retry that finds out whether the script ran."""
+    client = redis.Redis.from_url(proxy.url, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    store = LockStore(client, retry_deadline=0.2)
+    try:
+        acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "warm", "s"))
+        proxy.drop_reply_to(store.scripts.acquire.sha.encode(), hang=True)
+        token = new_token()
+        assert acquire(store, token) == Acquired(fence=1)
+    finally:
+        client.close()
+    assert proxy.dropped == 1
+    assert admin.get(KEYS.lock).startswith(f"{token} 1 ".encode())
+    assert admin.get(KEYS.fence) == b"1"
 
 
 def test_release_whose_reply_is_lost_reports_not_owned(
