@@ -43,12 +43,13 @@ The same pattern by hand, for any SQL store::
      WHERE id = :id AND (fence IS NULL OR fence <= :fence)
 
 What fencing does not give: a fence only orders grants **of one request** (the counter is per
-request key), so keep one fenced record per request. The counter lives as long as the
-done-marker (``celery_lock_done_ttl``) after the last grant; once it expires (or is evicted),
-fences start again from 1, so a fenced record should not outlive it (``ttl=``). Only stores that
-check the fence are protected; a stale holder can still send an e-mail or write to a store that
-does not. And :meth:`celery_lock.LockedTask.check_lock` before a write narrows the window but
-cannot close it: the process can pause between the check and the write.
+request key), so keep one fenced record per request. The counter lives at least as long as
+the done-marker (``celery_lock_done_ttl``) after the last grant or heartbeat; once it expires
+(or is evicted), fences start again from 1, so a fenced record should not outlive it
+(``ttl=``). Only stores that check the fence are protected; a stale holder can still send an
+e-mail or write to a store that does not. And :meth:`celery_lock.LockedTask.check_lock` before a
+write narrows the window but cannot close it: the process can pause between the check and the
+write.
 
 .. versionadded:: 0.1.0
 """

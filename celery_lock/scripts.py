@@ -29,7 +29,8 @@ __all__ = ["ACQUIRE", "EXTEND", "RELEASE", "Scripts"]
 # ARGV[3] - holder, JSON (task id, task name, host, pid, since: ms since the epoch by the caller's
 #           clock, shown by `celery lock`; not read from TIME, so a user allowed only
 #           @read/@write/@scripting can run this)
-# ARGV[4] - fence counter TTL in milliseconds
+# ARGV[4] - fence counter TTL in milliseconds: the counter is made to live at least that long
+#           (never shortened, as by EXTEND; 0 leaves it alone)
 # return <fence>                              -- granted (an integer reply)
 #      | {"done", <task id that completed it>}
 #      | {"held", "<fence> <holder>", <pttl>}  -- the holder's token is never returned
@@ -50,7 +51,13 @@ if lock then
     return {'held', string.match(lock, '^%S* (.*)$') or lock, redis.call('PTTL', KEYS[1])}
 end
 local fence = redis.call('INCR', KEYS[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
+local fence_ttl = tonumber(ARGV[4])
+if fence_ttl > 0 then  -- as EXTEND: never shortened (another task of the scope may want it
+    local left = redis.call('PTTL', KEYS[2])  -- longer); -1 is a counter INCR just created
+    if left < fence_ttl and (left >= 0 or fence == 1) then
+        redis.call('PEXPIRE', KEYS[2], fence_ttl)
+    end
+end
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[3], 'PX', ARGV[2])
 return fence
 """

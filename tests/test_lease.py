@@ -219,3 +219,27 @@ def test_an_exception_between_send_and_read_does_not_shift_later_replies(lock_ur
     assert isinstance(acquire(store, new_token(), keys=held_elsewhere), Held)
     store.client.close()
     other.client.close()
+
+
+def test_a_grant_never_shortens_the_fence_counter(lock_url: str, lock_redis: redis.Redis) -> None:
+    # Tasks of one scope share the counter; one with a short done TTL must not cut it short
+    # for another whose fenced records live a day.
+    store = LockStore.from_url(lock_url)
+    day, seconds = 86_400_000, 2_000
+    first = store.acquire(KEYS, token := new_token(), TTL_MS, HOLDER, day)
+    assert first == Acquired(fence=1)
+    store.release(lease_for(store, token, 1), success=False, done_ttl_ms=1)
+    assert store.acquire(KEYS, new_token(), TTL_MS, OTHER, seconds) == Acquired(fence=2)
+    assert lock_redis.pttl(KEYS.fence) > seconds
+    store.client.close()
+
+
+def test_a_grant_with_no_fence_ttl_leaves_the_counter_alone(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    store = LockStore.from_url(lock_url)
+    lock_redis.set(KEYS.fence, 6)
+    assert store.acquire(KEYS, new_token(), TTL_MS, HOLDER, 0) == Acquired(fence=7)
+    assert lock_redis.get(KEYS.fence) == b"7"
+    assert lock_redis.pttl(KEYS.fence) == -1  # kept for ever, as it was
+    store.client.close()
