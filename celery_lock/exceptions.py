@@ -75,7 +75,8 @@ class LockKeyError(CeleryLockError, ValueError):
 
 class LockStoreError(CeleryLockError):
     """The lock store failed or answered an error; raised as such for an error reply that is
-    neither transient nor about the request's keys (``NOPERM``, an unknown command).
+    neither transient nor about the request's keys (``NOPERM``, an unknown command), and for a
+    wrong user or password (``WRONGPASS``, ``NOAUTH``).
 
     A task meeting one fails: trying again later would not help.
     """

@@ -12,7 +12,8 @@ tenacity (bounded, jittered) before raising an error:
   ``"<token> <fence> <holder>"`` or has no TTL): trying again cannot help; the message names
   the key and what it holds;
 - :class:`~celery_lock.exceptions.LockStoreError` for any other error reply (``NOPERM``, an
-  unknown command): not transient either.
+  unknown command) and for a wrong user or password (``WRONGPASS``, ``NOAUTH``, which redis-py
+  raises as connection errors): not transient either.
 
 Scripts run by ``EVALSHA``; a ``NOSCRIPT`` reply (the server restarted or flushed its scripts) is
 answered by loading the script and running it once more, for acquire and release as for the
@@ -35,6 +36,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
     ClusterDownError,
     MasterDownError,
     NoScriptError,
@@ -63,6 +66,7 @@ from .lease import Acquired, Done, Held, Holder, Lease, Outcome, decode_lock
 from .scripts import Scripts
 
 __all__ = [
+    "REFUSED_ERRORS",
     "TRANSIENT_ERRORS",
     "LockStore",
     "TransientReplyError",
@@ -84,6 +88,10 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     redis.ConnectionError,  # includes BusyLoadingError (LOADING) and TransientReplyError
     redis.TimeoutError,
 )
+
+#: Connection errors that mean "never" rather than "not now": a wrong password or user
+#: (``WRONGPASS``, ``NOAUTH``). Retrying or deferring cannot help; the task fails.
+REFUSED_ERRORS: tuple[type[Exception], ...] = (AuthenticationError, AuthorizationError)
 
 #: Error codes of replies that mean "not now" rather than "never".
 TRANSIENT_CODES = frozenset(
@@ -303,9 +311,16 @@ class LockStore:
                 # The first try runs bare: building tenacity's machinery costs more than the
                 # round trip's own client-side work, and almost every call succeeds at once.
                 return fn()
+            except REFUSED_ERRORS:
+                raise
             except TRANSIENT_ERRORS as exc:
                 first_failure = exc
             return self._retry(what, lock_name, fn, first_failure, started)
+        except REFUSED_ERRORS as exc:
+            raise LockStoreError(
+                f"{what} refused: {exc} (check the user and password of the lock store URL)",
+                lock_name=lock_name,
+            ) from exc
         except TRANSIENT_ERRORS as exc:
             raise LockStoreUnavailableError(f"{what} failed: {exc}", lock_name=lock_name) from exc
         except redis.ResponseError as exc:
@@ -343,7 +358,7 @@ class LockStore:
         # What is left of the deadline: tenacity's clock starts after the first try.
         remaining = self.retry_deadline - (_monotonic() - started)
         retrying = Retrying(
-            retry=retry_if_exception(lambda exc: isinstance(exc, TRANSIENT_ERRORS)),
+            retry=retry_if_exception(_transient),
             stop=stop_after_attempt(self.retry_attempts)
             | (stop_after_delay(remaining) & stop_after_attempt(2)),
             wait=wait_random_exponential(multiplier=0.05, max=0.5),
@@ -473,6 +488,10 @@ class LockStore:
             else:
                 owned.append(bool(reply))
         return owned
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, TRANSIENT_ERRORS) and not isinstance(exc, REFUSED_ERRORS)
 
 
 def _packs_with_hiredis(connection: Any) -> bool:

@@ -773,6 +773,21 @@ def test_garbage_mid_run_loses_the_lease_and_the_task_succeeds(
     assert admin.lrange(keys.lock, 0, -1) == [b"garbage"]  # left alone
 
 
+def test_a_wrong_password_fails_without_retry(
+    lock_server: RedisServer, admin: redis.Redis, logs: Records
+) -> None:
+    """A wrong password is refused for good: not "unavailable", which would defer for ever."""
+    admin.acl_setuser("shop", enabled=True, passwords=["+right"], keys=["*"], commands=["+@all"])
+    wrong = LockStore.from_url(f"redis://shop:wrong@127.0.0.1:{lock_server.port}/0")
+    try:
+        with pytest.raises(LockStoreError, match="password") as caught:
+            acquire(wrong, new_token())
+    finally:
+        wrong.client.close()
+    assert not isinstance(caught.value, LockStoreUnavailableError)
+    assert logs.messages(logging.INFO, "trying again") == []
+
+
 def test_other_error_replies_fail_without_retry(
     lock_server: RedisServer, admin: redis.Redis, logs: Records
 ) -> None:
