@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn
 
 from celery import Signature, Task
+from celery._state import _task_stack
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
@@ -251,11 +252,13 @@ class LockedTask(Task):  # type: ignore[type-arg]
             setattr(request, _ENTERED, True)
             result = self._call_locked(args, kwargs, request)
         else:
+            _task_stack.push(self)  # celery.current_task, as Task.__call__ sets it
             self._push_direct_call(request, args, kwargs)
             try:
                 result = self._call_locked(args, kwargs, self.request_stack.top)
             finally:
                 self.pop_request()
+                _task_stack.pop()
         if isinstance(result, _Ignored):
             # Raised here, not where the copy is skipped: Celery copies every frame of an
             # Ignore's traceback twice (billiard's ExceptionInfo keeps each frame's code
@@ -363,12 +366,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
         request.lock_lost = False
         request.lock_lease = lease
         lease.on_lost = self._lease_lost_callback(request)
-        heartbeat.add(lease, settings.interval)
-        signals.lock_acquired.send(
-            sender=self, task_id=request.id, lock_key=lease.keys.lock, fence=lease.fence
-        )
         success = False
         try:
+            # Inside the try: whatever raises from here on (the heartbeat's thread failing to
+            # start, a soft time limit's signal) must not leave the lease held and extended.
+            heartbeat.add(lease, settings.interval)
+            signals.lock_acquired.send(
+                sender=self, task_id=request.id, lock_key=lease.keys.lock, fence=lease.fence
+            )
             result = self.run(*args, **kwargs)
             success = True
             return result

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, current_task
 from celery.contrib.testing.worker import TestWorkController
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import before_task_publish, task_postrun
@@ -33,7 +33,7 @@ from celery_lock import (
 )
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, new_token
-from celery_lock.runtime import reset_runtime
+from celery_lock.runtime import get_runtime, reset_runtime
 from celery_lock.store import LockStore
 from celery_lock.task import DEFERRALS_HEADER
 
@@ -69,6 +69,7 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
                 "fence": task.request.lock_fence,
                 "lock_key": task.request.lock_key,
                 "retries": task.request.retries,
+                "current_task": current_task.name if current_task else None,
                 **extra,
             }
         )
@@ -488,6 +489,35 @@ def test_signals_acquired_and_released(worker: Any, tasks: dict[str, Any]) -> No
 def test_eager_call_is_locked(celery_app: Celery, tasks: dict[str, Any], store: LockStore) -> None:
     assert tasks["process"].apply((7,)).get() == "processed 7"
     assert tasks["process"].apply((7,)).state == "IGNORED"  # done
+
+
+def test_direct_call_runs_locked_as_the_current_task(tasks: dict[str, Any], calls: Calls) -> None:
+    assert tasks["process"](7) == "processed 7"
+    [call] = calls.seen
+    assert (call["fence"], call["current_task"]) == (1, "t.process")
+    assert not current_task  # popped again
+
+
+def test_a_heartbeat_that_cannot_start_leaves_no_lease_held(
+    celery_app: Celery,
+    tasks: dict[str, Any],
+    calls: Calls,
+    lock_redis: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    heartbeat = get_runtime(celery_app).heartbeat
+    add = heartbeat.add
+
+    def add_then_fail(*args: Any, **kwargs: Any) -> None:
+        add(*args, **kwargs)  # the lease is in, then its thread cannot start
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(heartbeat, "add", add_then_fail)
+    with pytest.raises(RuntimeError, match="start new thread"):
+        tasks["process"](7)
+    assert calls.seen == []
+    assert heartbeat.leases() == []
+    assert not lock_redis.exists("celery-lock:{t.process:7}:lock")
 
 
 def test_direct_call_of_held_request_raises(tasks: dict[str, Any], store: LockStore) -> None:
