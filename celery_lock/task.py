@@ -48,7 +48,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn
 
 from celery import Signature, Task
-from celery._state import _task_stack
+from celery._state import _task_stack  # type: ignore[attr-defined]
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
