@@ -6,8 +6,9 @@
 * a lock store that may evict keys (``maxmemory`` with a policy other than ``noeviction``):
   an evicted lease lets a second copy in while the first still runs;
 * a setting that lost its ``celery_`` prefix (``lock_ttl`` in ``app.conf``), which nothing
-  reads: Django's ``config_from_object("django.conf:settings", namespace="CELERY")`` turns
-  ``CELERY_LOCK_TTL`` into it, where ``celery_lock_ttl`` needs ``CELERY_CELERY_LOCK_TTL``.
+  reads. (Django's ``config_from_object("django.conf:settings", namespace="CELERY")`` shows a
+  ``CELERY_LOCK_TTL`` setting as ``lock_ttl`` too, but it is read, as ``CELERY_LOCK_TTL``: see
+  :meth:`celery_lock.LockSettings.resolve`.)
 
 Each check reads settings, plus one ``CONFIG GET`` on the lock store (skipped where the server
 refuses it, as managed services often do).
@@ -60,14 +61,16 @@ def settings_warnings(app: Celery, name: str, settings: LockSettings) -> list[st
 
 
 def misnamed_settings(conf: Mapping[str, Any]) -> list[str]:
-    """Keys of ``conf`` that are celery-lock settings without their ``celery_`` prefix."""
+    """Keys of ``conf`` that are celery-lock settings without their ``celery_`` prefix, set
+    where neither the setting nor its upper-case name (which is read instead) is."""
     found = []
     for setting in LockSettings.setting_names():
-        stripped = setting.removeprefix("celery_")
-        if conf.get(stripped) is not None and conf.get(setting) is None:
+        stripped, upper = setting.removeprefix("celery_"), setting.upper()
+        if conf.get(stripped) is not None and conf.get(setting) is None and conf.get(upper) is None:
             found.append(
-                f"app.conf has {stripped} but no {setting}, and only {setting} is read: from "
-                f"Django settings loaded with namespace='CELERY', write CELERY_{setting.upper()}"
+                f"app.conf has {stripped} but no {setting}, and nothing reads {stripped}: write "
+                f"{setting} or {upper} (in Django settings loaded with namespace='CELERY', "
+                f"write CELERY_{upper} or {upper})"
             )
     return found
 

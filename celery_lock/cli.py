@@ -9,9 +9,10 @@ store URL and key prefix from the app's settings (``--url`` and ``--prefix`` ove
     $ celery -A shop lock forget shop.process:42  # let a done request run again
     $ celery -A shop lock --json ls
 
-A request is named either by its lock's Redis key (``celery-lock:{shop.process:42}:lock``, as
-logs and events show it) or as ``<scope>:<request key>``. Every listing uses ``SCAN``, never
-``KEYS``.
+A request is named either by one of its Redis keys (``celery-lock:{shop.process:42}:lock``, as
+logs and events show it, or its ``:fence`` or ``:done:<task>`` key) or as
+``<scope>:<request key>``. Every listing uses ``SCAN``, never ``KEYS``. A failing lock store is
+reported as an error (exit status 1), never a traceback.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import click
 import redis
 from celery import Celery
 
-from .config import LockSettings
+from .config import LockSettings, check_value, conf_value
 from .exceptions import ConfigurationError
 from .keys import stored_key_part
 from .lease import decode_lock
@@ -58,6 +59,19 @@ def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+def _wrong_type(reply: Any) -> bool:
+    """Whether a pipeline reply is the error of reading a key that holds another type."""
+    if not isinstance(reply, redis.ResponseError):
+        return False
+    if str(reply).startswith("WRONGTYPE"):
+        return True
+    raise reply  # any other error (NOPERM, ...) is the store's failure, not the key's
+
+
+def _not_a_string(key_type: Any) -> str:
+    return f"<not a string: {_text(key_type)}>"
+
+
 class LockAdmin:
     """Reads and repairs the keys of one lock store."""
 
@@ -72,8 +86,14 @@ class LockAdmin:
         unsafe request key becomes a readable prefix and a digest), unless they already are:
         ``shop.process:order 42`` and ``shop.process:order42~<digest>`` name the same lock.
         """
-        if name.startswith(f"{self.prefix}:{{") and name.endswith("}:lock"):
-            return name
+        head = f"{self.prefix}:{{"
+        if name.startswith(head):
+            # A key as logged: the lock, the fence or a done-marker. Neither the scope nor the
+            # request key holds a brace (the library digests them), so the first "}" ends the tag.
+            end = name.find("}", len(head))
+            suffix = name[end + 1 :] if end >= 0 else ""
+            if suffix in (":lock", ":fence") or suffix.startswith(":done:"):
+                return f"{name[: end + 1]}:lock"
         scope, colon, request_key = name.partition(":")
         if not colon:
             return f"{self.prefix}:{{{name}}}:lock"
@@ -96,10 +116,12 @@ class LockAdmin:
         now_ms = time.time() * 1000
         found = []
         for key, value, pttl in zip(keys, replies[::2], replies[1::2], strict=True):
+            if isinstance(pttl, redis.ResponseError):
+                raise pttl
             if value is None or pttl == -2:
                 continue  # released between SCAN and read
             try:
-                if isinstance(value, redis.ResponseError):  # WRONGTYPE: not a string at all
+                if _wrong_type(value):  # not a string at all
                     raise ValueError(str(value))
                 entry = decode_lock(value)
             except (ValueError, KeyError, TypeError):
@@ -129,21 +151,40 @@ class LockAdmin:
         return sorted(leases, key=lambda lease: lease.key)
 
     def show(self, name: str) -> dict[str, Any]:
-        """The lease, fence and done-markers of one request."""
+        """The lease, fence and done-markers of one request.
+
+        A fence or done-marker that holds something celery-lock did not write (what a
+        :class:`~celery_lock.exceptions.LockStateError` asks to repair) is reported as such,
+        e.g. ``"<not a string: hash>"``, instead of failing the command.
+        """
         key = self.lock_key(name)
         tag = self.tag(key)
         leases = self.leases([key])
-        fence = self.client.get(f"{tag}:fence")
+        done_keys = list(self.scan(f"{_escape(tag)}:done:*"))
+        pipe = self.client.pipeline(transaction=False)
+        for string_key in [f"{tag}:fence", *done_keys]:
+            pipe.get(string_key)
+            pipe.pttl(string_key)
+            pipe.type(string_key)
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies[1::3] + replies[2::3]:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        (fence, _, fence_type), *markers = zip(
+            replies[::3], replies[1::3], replies[2::3], strict=True
+        )
         done = {}
-        for done_key in self.scan(f"{_escape(tag)}:done:*"):
+        for done_key, (task_id, pttl, key_type) in zip(done_keys, markers, strict=True):
+            if task_id is None:
+                continue  # expired or deleted between SCAN and read
             done[done_key.rsplit(":done:", 1)[1]] = {
-                "task_id": _text(self.client.get(done_key) or b""),
-                "ttl_left_s": round(self.client.pttl(done_key) / 1000, 3),
+                "task_id": _not_a_string(key_type) if _wrong_type(task_id) else _text(task_id),
+                "ttl_left_s": _ttl_left(pttl),
             }
         return {
             "key": key,
             "lease": asdict(leases[0]) if leases else None,
-            "fence": int(fence) if fence is not None and fence.isdigit() else None,
+            "fence": _fence(fence, fence_type),
             "done": done,
         }
 
@@ -154,11 +195,25 @@ class LockAdmin:
     def forget(self, name: str, task: str | None) -> list[str]:
         """Delete the done-markers of ``name`` (of one task, or all); return the deleted keys."""
         tag = self.tag(self.lock_key(name))
-        pattern = f"{_escape(tag)}:done:{_escape(task) if task else '*'}"
+        # The done-marker keys hold the task name made safe, as the library writes it.
+        pattern = f"{_escape(tag)}:done:{_escape(stored_key_part(task)) if task else '*'}"
         keys = list(self.scan(pattern))
         if keys:
             self.client.delete(*keys)
         return keys
+
+
+def _fence(value: Any, key_type: Any) -> int | str | None:
+    """The fence counter as ``show`` reports it: its value, ``None`` if there is none, or what
+    is wrong with it."""
+    if value is None:
+        return None
+    if _wrong_type(value):
+        return _not_a_string(key_type)
+    try:
+        return int(value)
+    except ValueError:
+        return f"<not an integer: {_text(value)!r}>"
 
 
 def _escape(text: str) -> str:
@@ -173,20 +228,68 @@ class _Options:
     json: bool
 
 
+def _setting(field: str, value: Any, name: str, option: str | None) -> Any:
+    """``value`` of one setting checked on its own; a bad one is a usage error that names
+    ``option`` (the command-line option that would override it), if given."""
+    try:
+        return check_value(field, value, name)
+    except ConfigurationError as exc:
+        hint = f" (or pass {option})" if option else ""
+        raise click.UsageError(f"{exc}{hint}") from exc
+
+
+def _store(app: Celery, options: _Options) -> tuple[str, str]:
+    """The lock store URL and key prefix to use: the options', else the app's.
+
+    Only these two settings are read, each checked on its own: another invalid celery-lock
+    setting (say, a heartbeat interval above the TTL) is the worker's concern, not this
+    command's.
+    """
+    conf = app.conf
+    if options.prefix is not None:
+        prefix = _setting("key_prefix", options.prefix, "--prefix", None)
+    else:
+        conf_prefix, name = conf_value(conf, "celery_lock_key_prefix")
+        prefix = (
+            LockSettings.key_prefix
+            if conf_prefix is None
+            else _setting("key_prefix", conf_prefix, name, "--prefix")
+        )
+    if options.url is not None:
+        return _setting("redis_url", options.url, "--url", None), prefix
+    conf_url, name = conf_value(conf, "celery_lock_redis_url")
+    if conf_url is not None:
+        conf_url = _setting("redis_url", conf_url, name, "--url")
+    try:
+        return lock_store_url(app, LockSettings(redis_url=conf_url)), prefix
+    except ConfigurationError as exc:
+        raise click.UsageError(f"{exc} (or pass --url)") from exc
+
+
 def _admin(ctx: click.Context) -> LockAdmin:
     app: Celery = ctx.find_root().obj.app
     options = ctx.find_object(_Options)
     assert options is not None
+    url, prefix = _store(app, options)
     try:
-        settings = LockSettings.resolve(app.conf)
-        url = options.url or lock_store_url(app, settings)
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
         client.ping()
-    except ConfigurationError as exc:
-        raise click.UsageError(f"{exc} (or pass --url)") from exc
     except (redis.RedisError, ValueError) as exc:
         raise click.ClickException(f"cannot reach the lock store: {exc}") from exc
-    return LockAdmin(client, options.prefix or settings.key_prefix)
+    return LockAdmin(client, prefix)
+
+
+class _LockGroup(click.Group):
+    """Turns a lock store that fails in the middle of a command into an error (exit status 1)
+    with a message, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except redis.RedisError as exc:
+            raise click.ClickException(
+                f"the lock store failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _emit(ctx: click.Context, data: Any, text: str) -> None:
@@ -194,7 +297,7 @@ def _emit(ctx: click.Context, data: Any, text: str) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True) if options and options.json else text)
 
 
-@click.group(name="lock")
+@click.group(name="lock", cls=_LockGroup)
 @click.option("--url", help="Lock store URL (default: the app's celery_lock_redis_url).")
 @click.option("--prefix", help="Key prefix (default: the app's celery_lock_key_prefix).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
@@ -260,7 +363,7 @@ def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> Non
     admin = _admin(ctx)
     lock_key = admin.lock_key(key)
     if not yes:
-        click.confirm(f"Release {lock_key}?", abort=True)
+        click.confirm(f"Release {lock_key}?", abort=True, err=True)  # stdout is for the result
     released = admin.release(key)
     _emit(ctx, {"key": lock_key, "released": released},
           f"released {lock_key}" if released else f"no lease at {lock_key}")  # fmt: skip

@@ -1,8 +1,8 @@
 """Settings: read from ``app.conf``, overridden per worker by its command-line options and per
 task by task options (``lock_ttl=...`` on the decorator), validated into one frozen object.
 
-Precedence, most specific first: task option, worker option (``--lock-ttl``), ``app.conf``,
-default.
+Precedence, most specific first: task option, worker option (``--lock-ttl``), ``app.conf``
+(``celery_lock_ttl``, else ``CELERY_LOCK_TTL``), default.
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ from urllib.parse import urlsplit
 
 from .exceptions import ConfigurationError
 
-__all__ = ["DUPLICATE_POLICIES", "LockSettings", "check_value", "validate_redis_url"]
+__all__ = [
+    "DUPLICATE_POLICIES",
+    "LockSettings",
+    "check_value",
+    "conf_value",
+    "validate_redis_url",
+]
 
 OnDuplicate = Literal["skip", "retry", "raise"]
 DUPLICATE_POLICIES: tuple[OnDuplicate, ...] = ("skip", "retry", "raise")
@@ -39,6 +45,15 @@ def validate_redis_url(setting: str, url: str) -> str:
     if parts.scheme != "unix" and not parts.hostname:
         raise ConfigurationError(setting, "the URL names no host")
     return url
+
+
+def conf_value(conf: Mapping[str, Any], setting: str) -> tuple[Any, str]:
+    """The value of ``setting`` in ``conf`` and the name it was found under: the lower-case
+    name, else the upper-case one (``CELERY_LOCK_TTL``), as Celery reads its own old names."""
+    value = conf.get(setting)
+    if value is None:
+        return conf.get(setting.upper()), setting.upper()
+    return value, setting
 
 
 def _positive_seconds(setting: str, value: Any) -> float:
@@ -134,6 +149,11 @@ class LockSettings:
     ) -> LockSettings:
         """Read ``celery_lock_*`` from ``conf``, overlay ``lock_*`` task options, validate.
 
+        A setting missing from ``conf`` is read from its upper-case name (``CELERY_LOCK_TTL``),
+        as Celery reads its own settings from their old upper-case names: what a settings
+        module of upper-case names, or Django's settings, give ``app.conf``. The lower-case
+        name wins when both are set.
+
         ``check_together=False`` checks each value on its own only: for task options checked
         at class creation, before ``app.conf`` is known.
 
@@ -145,7 +165,7 @@ class LockSettings:
         for field in fields(cls):
             option = f"lock_{field.name}"
             setting = f"celery_{option}"
-            value, name = conf.get(setting), setting
+            value, name = conf_value(conf, setting)
             if task_options and task_options.get(option) is not None:
                 value = task_options[option]
                 name = f"{task_name}.{option}" if task_name else option

@@ -12,7 +12,8 @@ otherwise force them on. ``task-skipped`` is sent by the worker's main process
 (:class:`celery_lock.request.LockedRequest`), so it also follows a switch flipped at run time
 (Flower's ``enable_events``); ``task-lock-lost``, and ``task-skipped`` for a copy completed as
 SUCCESS under ``skip_as_success`` (which the main process sees as a success), are sent by the
-pool process, which knows only the switch it started with. Nothing is sent for eager or direct
+pool process, which knows only the switch it started with. A task with ``send_events = False``
+sends none, as Celery sends none of its own events for it. Nothing is sent for eager or direct
 calls.
 """
 
@@ -32,8 +33,9 @@ TASK_LOCK_LOST = "task-lock-lost"
 
 
 def task_events_enabled(task: Task[Any, Any]) -> bool:
-    """Whether this worker sends task events."""
-    return bool(task.app.conf.worker_send_task_events)
+    """Whether this worker sends task events, and this task sends its own (``send_events``,
+    which Celery's request honours for the events it sends)."""
+    return bool(task.app.conf.worker_send_task_events) and bool(task.send_events)
 
 
 def send_task_event(

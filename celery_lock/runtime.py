@@ -20,7 +20,7 @@ from .exceptions import ConfigurationError
 from .heartbeat import Heartbeat
 from .store import LockStore
 
-__all__ = ["Runtime", "get_runtime", "lock_store_url"]
+__all__ = ["Runtime", "get_runtime", "lock_store_url", "reset_runtime"]
 
 _ATTRIBUTE = "_celery_lock_runtime"
 _create_guard = threading.Lock()

@@ -23,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import redis
 from redis.backoff import NoBackoff
@@ -123,8 +124,8 @@ class RedisServer:
         return self.url_for(0)
 
     def url_for(self, db: int) -> str:
-        """Return the URL of database ``db``."""
-        auth = f":{self.password}@" if self.password else ""
+        """Return the URL of database ``db`` (the password, if any, percent-encoded)."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/{db}"
 
     def client(self, db: int = 0, **kwargs: Any) -> redis.Redis:

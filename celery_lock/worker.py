@@ -14,6 +14,8 @@ a task binds only when the app finalizes, after ``celery worker`` has read its c
 from __future__ import annotations
 
 import logging
+from collections import ChainMap
+from collections.abc import Mapping
 from typing import Any
 
 import click
@@ -50,11 +52,15 @@ class LockStep(bootsteps.Step):
 
     def __init__(self, parent: Any, **options: Any) -> None:
         app: Celery = parent.app
+        given: dict[str, tuple[str, Any]] = {}  # setting -> (option's flag, its value)
         for option, setting in WORKER_OPTIONS.items():
             value = options.get(option)
             if value is not None:
                 flag = "--" + option.replace("_", "-")
-                app.conf[setting] = check_value(option.removeprefix("lock_"), value, flag)
+                given[setting] = (flag, check_value(option.removeprefix("lock_"), value, flag))
+        _check_options_fit(app, given)
+        for setting, (_, value) in given.items():
+            app.conf[setting] = value
         # Task.send_event would force events on; celery-lock sends them only with -E.
         if getattr(parent, "task_events", None) is not None:
             app.conf.worker_send_task_events = bool(parent.task_events)
@@ -79,6 +85,52 @@ class LockStep(bootsteps.Step):
             for store in stores.values():
                 store.client.close()
         reset_runtime(app)  # no connection of the main process crosses the fork
+
+
+def _first_problem(app: Celery, conf: Mapping[str, Any]) -> ConfigurationError | None:
+    """The first invalid combination in the settings of the app and its tasks, read from
+    ``conf``, or ``None``."""
+    from .task import LockedTask  # noqa: PLC0415 - task imports this module
+
+    try:
+        LockSettings.resolve(conf)
+        for task in app.tasks.values():
+            if isinstance(task, LockedTask):
+                LockSettings.resolve(conf, task._lock_task_options(), task.name)
+    except ConfigurationError as exc:
+        return exc
+    return None
+
+
+def _check_options_fit(app: Celery, given: Mapping[str, tuple[str, Any]]) -> None:
+    """Refuse worker options that contradict the app's settings or task options (``--lock-ttl
+    5`` under ``celery_lock_heartbeat_interval = 10``) with a one-line usage error naming both,
+    as Click reports a bad value (exit status 2), rather than a traceback naming the setting
+    alone. A contradiction within the app's own settings is left to the checks that follow.
+
+    Raises:
+        click.BadParameter: the settings are valid without the options, but not with them.
+    """
+    if not given:
+        return
+    overrides = {setting: value for setting, (_, value) in given.items()}
+    problem = _first_problem(app, ChainMap(overrides, app.conf))
+    if problem is None or _first_problem(app, app.conf) is not None:
+        return
+    # The options that, left out alone, make the settings valid again; else all of them.
+    culprits = [
+        setting
+        for setting in overrides
+        if _first_problem(
+            app, ChainMap({k: v for k, v in overrides.items() if k != setting}, app.conf)
+        )
+        is None
+    ] or list(overrides)
+    raise click.BadParameter(
+        f"{', '.join(f'{given[s][1]!r}' for s in culprits)} conflicts with {problem}",
+        ctx=click.get_current_context(silent=True),
+        param_hint=[given[s][0] for s in culprits],
+    )
 
 
 def _checked(ctx: click.Context, param: click.Parameter, value: Any) -> Any:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,137 @@ def test_a_request_key_the_library_made_safe_is_found_as_written_and_as_stored(
     for name in ("storm.process:order 42", f"storm.process:{stored}", keys.lock):
         info = json.loads(celery_lock_cli(worker_env, "--json", "show", name).stdout)
         assert info["lease"]["task_id"] == "task-7", name
+
+
+def test_show_reports_a_fence_and_a_done_marker_that_are_not_strings(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    # What a LockStateError asks the user to repair: show must still show it.
+    lease = take(store, 4, "task-4")
+    store.release(lease, success=True, done_ttl_ms=60_000)
+    client = store.client
+    client.delete(lease.keys.fence)
+    client.hset(lease.keys.fence, "n", "1")
+    other_done = lease.keys.done.replace(":done:storm.process", ":done:storm.next")
+    client.rpush(other_done, "not ours")
+    done = celery_lock_cli(worker_env, "--json", "show", "storm.process:4")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["fence"] == "<not a string: hash>"
+    assert info["done"]["storm.process"]["task_id"] == "task-4"
+    assert info["done"]["storm.next"] == {"task_id": "<not a string: list>", "ttl_left_s": -1.0}
+    client.delete(lease.keys.fence)
+    client.set(lease.keys.fence, "seven")
+    text = celery_lock_cli(worker_env, "show", "storm.process:4")
+    assert text.returncode == 0, text.stderr
+    assert "fence     <not an integer: 'seven'>" in text.stdout
+    assert "done      storm.next by <not a string: list>" in text.stdout
+
+
+@pytest.fixture
+def ping_only_url(worker_env: dict[str, str]) -> Iterator[str]:
+    """A URL of the lock store as a user that may connect but not read or write any key."""
+    url = worker_env["STORM_LOCK_URL"]
+    admin = redis.Redis.from_url(url)
+    admin.execute_command("ACL", "SETUSER", "cli-ping-only", "on", ">pw", "-@all", "+ping",
+                          "+select", "+client|setinfo")  # fmt: skip
+    try:
+        yield url.replace("redis://", "redis://cli-ping-only:pw@", 1)
+    finally:
+        admin.execute_command("ACL", "DELUSER", "cli-ping-only")
+        admin.close()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ls"],
+        ["show", "storm.process:1"],
+        ["forget", "storm.process:1"],
+        ["release", "storm.process:1", "--force", "--yes"],
+    ],
+    ids=lambda command: command[0],
+)
+def test_a_lock_store_that_fails_mid_command_is_a_clean_error(
+    worker_env: dict[str, str], ping_only_url: str, command: list[str]
+) -> None:
+    done = celery_lock_cli(worker_env, "--url", ping_only_url, *command)
+    assert done.returncode == 1, done.stderr
+    assert "Error: the lock store failed: NoPermissionError" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_release_json_output_stays_json_when_it_asks(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    lease = take(store, 3, "task-3")
+    done = celery_lock_cli(worker_env, "--json", "release", "storm.process:3", "--force",
+                           stdin="y\n")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"key": lease.keys.lock, "released": True}
+    assert f"Release {lease.keys.lock}? [y/N]" in done.stderr
+
+
+def test_an_invalid_setting_the_cli_does_not_use_does_not_stop_it(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    take(store, 1, "task-1")
+    env = {**worker_env, "STORM_CONF": '{"celery_lock_heartbeat_interval": 100}'}  # > the TTL
+    for args in (["ls"], ["--url", worker_env["STORM_LOCK_URL"], "ls"]):
+        done = celery_lock_cli(env, "--json", *args)
+        assert done.returncode == 0, done.stderr
+        assert [lease["task_id"] for lease in json.loads(done.stdout)] == ["task-1"]
+
+
+def test_an_invalid_url_or_prefix_setting_names_the_option_that_overrides_it(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    take(store, 1, "task-1")
+    url = worker_env["STORM_LOCK_URL"]
+    bad_url = {**worker_env, "STORM_LOCK_URL": "http://nowhere"}  # celery_lock_redis_url
+    done = celery_lock_cli(bad_url, "ls")
+    assert done.returncode == 2
+    assert "celery_lock_redis_url" in done.stderr
+    assert "(or pass --url)" in done.stderr
+    assert celery_lock_cli(bad_url, "--url", url, "ls").returncode == 0  # not read at all
+    bad_prefix = {**worker_env, "STORM_CONF": '{"celery_lock_key_prefix": "a b"}'}
+    done = celery_lock_cli(bad_prefix, "--url", url, "ls")
+    assert done.returncode == 2
+    assert "celery_lock_key_prefix" in done.stderr
+    assert "(or pass --prefix)" in done.stderr
+    assert "--url" not in done.stderr
+    done = celery_lock_cli(bad_prefix, "--prefix", "celery-lock", "ls")
+    assert done.returncode == 0, done.stderr
+    assert "task-1" in done.stdout
+
+
+def test_forget_task_matches_the_task_name_as_the_done_marker_key_holds_it(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    task = "storm.stage two"  # not a plain key part: the done-marker key holds it made safe
+    assert safe_key_part(task) != task
+    first = take(store, 8, "task-8", task=task)
+    store.release(first, success=True, done_ttl_ms=60_000)
+    other = take(store, 8, "task-9")
+    store.release(other, success=True, done_ttl_ms=60_000)
+    done = celery_lock_cli(worker_env, "forget", "storm.process:8", "--task", task)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"forgot {first.keys.done}"
+    assert not store.client.exists(first.keys.done)
+    assert store.client.exists(other.keys.done)  # another task's marker stays
+
+
+def test_a_pasted_fence_or_done_marker_key_names_its_request(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    lease = take(store, 6, "task-6")
+    store.release(lease, success=True, done_ttl_ms=60_000)
+    take(store, 6, "task-7", task="storm.next")  # the next stage of the same request
+    for name in (lease.keys.fence, lease.keys.done):
+        info = json.loads(celery_lock_cli(worker_env, "--json", "show", name).stdout)
+        assert info["key"] == lease.keys.lock, name
+        assert info["lease"]["task_id"] == "task-7", name
+        assert info["done"]["storm.process"]["task_id"] == "task-6", name
+    done = celery_lock_cli(worker_env, "forget", lease.keys.done)
+    assert done.stdout.strip() == f"forgot {lease.keys.done}"
+    assert not store.client.exists(lease.keys.done)

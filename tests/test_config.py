@@ -246,7 +246,83 @@ def test_task_heartbeat_interval_is_checked_against_the_conf_ttl(app: Celery) ->
 def test_a_setting_without_its_celery_prefix_is_named_with_the_one_to_write() -> None:
     found = misnamed_settings({"lock_ttl": 30, "lock_fail_open": True, "celery_lock_fail_open": 1})
     assert found == [
-        "app.conf has lock_ttl but no celery_lock_ttl, and only celery_lock_ttl is read: from "
-        "Django settings loaded with namespace='CELERY', write CELERY_CELERY_LOCK_TTL"
+        "app.conf has lock_ttl but no celery_lock_ttl, and nothing reads lock_ttl: write "
+        "celery_lock_ttl or CELERY_LOCK_TTL (in Django settings loaded with namespace='CELERY', "
+        "write CELERY_CELERY_LOCK_TTL or CELERY_LOCK_TTL)"
     ]
     assert misnamed_settings({"celery_lock_ttl": 30, "broker_url": "memory://"}) == []
+    assert misnamed_settings({"lock_ttl": 30, "CELERY_LOCK_TTL": 30}) == []
+
+
+# -- upper-case names, as Celery reads its own old settings -----------------------------------
+
+
+class UpperCaseSettings:
+    """A settings module of upper-case names, as Celery 3 apps and Django projects have."""
+
+    BROKER_URL = "memory://"
+    CELERY_TASK_SERIALIZER = "json"
+    CELERY_LOCK_TTL = 30
+    CELERY_LOCK_REDIS_URL = "redis://locks:6379/2"
+    CELERY_LOCK_ON_DUPLICATE = "retry"
+
+
+def _app_from(obj: object, **options: Any) -> Celery:
+    app = Celery("config_tests", set_as_current=False)
+    app.config_from_object(obj, **options)
+    return app
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), [(n, *v) for n, v in VALID.items()])
+def test_setting_is_read_from_its_upper_case_name(name: str, value: Any, expected: Any) -> None:
+    settings = LockSettings.resolve({f"CELERY_LOCK_{name.upper()}": value})
+    assert getattr(settings, name) == expected
+
+
+def test_upper_case_settings_from_config_from_object_are_read() -> None:
+    app = _app_from(UpperCaseSettings)
+    assert app.conf.task_serializer == "json"  # Celery reads its own from the old names
+    settings = LockSettings.resolve(app.conf)
+    assert (settings.ttl, settings.redis_url, settings.on_duplicate) == (
+        30.0,
+        "redis://locks:6379/2",
+        "retry",
+    )
+    assert misnamed_settings(app.conf) == []
+
+
+def test_django_settings_with_the_celery_namespace_are_read() -> None:
+    """``config_from_object("django.conf:settings", namespace="CELERY")``: Django keeps only
+    upper-case names, and the namespace shows ``CELERY_LOCK_TTL`` as ``lock_ttl``."""
+
+    class DjangoSettings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_LOCK_TTL = 30
+        CELERY_CELERY_LOCK_DONE_TTL = 600  # celery_lock_done_ttl, with the namespace
+
+    app = _app_from(DjangoSettings, namespace="CELERY")
+    settings = LockSettings.resolve(app.conf)
+    assert (settings.ttl, settings.done_ttl) == (30.0, 600.0)
+    assert misnamed_settings(app.conf) == []
+
+
+def test_the_lower_case_name_wins_over_the_upper_case_one() -> None:
+    app = _app_from(UpperCaseSettings)
+    app.conf.celery_lock_ttl = 45
+    assert LockSettings.resolve(app.conf).ttl == 45.0
+    assert LockSettings.resolve({"CELERY_LOCK_TTL": 30}, {"lock_ttl": 5}).ttl == 5.0
+
+
+def test_invalid_upper_case_setting_is_named_as_written() -> None:
+    with pytest.raises(ConfigurationError, match=r"^CELERY_LOCK_TTL: must be a positive"):
+        LockSettings.resolve(_app_from(type("Bad", (), {"CELERY_LOCK_TTL": -1})).conf)
+    conf = {"CELERY_LOCK_TTL": 30, "CELERY_LOCK_HEARTBEAT_INTERVAL": 30}
+    with pytest.raises(ConfigurationError, match=r"^CELERY_LOCK_HEARTBEAT_INTERVAL: .*shorter"):
+        LockSettings.resolve(conf)
+
+
+def test_reset_runtime_is_public() -> None:
+    """docs/testing.md imports it: ``from celery_lock.runtime import *`` gives it too."""
+    namespace: dict[str, Any] = {}
+    exec("from celery_lock.runtime import *", namespace)
+    assert callable(namespace["reset_runtime"])

@@ -213,3 +213,33 @@ def test_summary_notices_fences_that_do_not_increase_and_requests_that_never_ran
     assert not summary.fences_increasing
     assert summary.never_ran == 1
     assert table_value(summary.table(), "fences increasing") == "no"
+
+
+def test_summary_of_a_timed_out_run_is_not_ok() -> None:
+    # Every request ran once, but one copy never settled before the timeout.
+    outcomes = {"a": ("SUCCESS", None), "b": ("SKIPPED", "running"), "c": ("SUCCESS", None)}
+    summary = summarize([run(0, 0, 1), run(1, 0, 1)], outcomes, 2, 2, wall_seconds=2.0)
+    assert (summary.executed, summary.doubles, summary.unsettled) == (2, 0, 1)
+    assert not summary.ok
+    assert table_value(summary.table(), "unsettled") == "1"
+
+
+def test_summary_of_a_run_with_a_failed_copy_is_not_ok() -> None:
+    outcomes = {
+        "a": ("SUCCESS", None),
+        "b": ("FAILURE", None),
+        "c": ("SUCCESS", None),
+        "d": ("SKIPPED", "done"),
+    }
+    summary = summarize([run(0, 0, 1), run(1, 0, 1)], outcomes, 2, 2, wall_seconds=2.0)
+    assert (summary.executed, summary.doubles, summary.unsettled, summary.failed) == (2, 0, 0, 1)
+    assert not summary.ok
+    assert table_value(summary.table(), "failed") == "1"
+
+
+def test_summary_with_a_run_without_a_fence_is_not_ok() -> None:
+    outcomes = {"a": ("SUCCESS", None), "b": ("SUCCESS", None)}
+    summary = summarize([run(0, 0, 1, fence=None), run(1, 0, 1)], outcomes, 2, 1, 2.0)
+    assert summary.doubles == 0
+    assert not summary.fences_increasing
+    assert not summary.ok

@@ -9,7 +9,8 @@ import pytest
 from celery import Celery
 from conftest import wait_for
 
-from celery_lock import SKIPPED, is_skipped
+from celery_lock import SKIPPED, LockedTask, is_skipped
+from celery_lock.events import task_events_enabled
 from celery_lock.testing import CeleryWorker, EventTap
 
 pytestmark = pytest.mark.worker
@@ -55,3 +56,18 @@ def test_skipped_copy_sends_task_skipped_event(
     assert "skipped" in event["result"]
     assert "args" not in event
     assert "kwargs" not in event
+
+
+@pytest.mark.parametrize(
+    ("worker_sends", "task_sends"), [(True, True), (True, False), (False, True)]
+)
+def test_events_follow_the_worker_switch_and_the_tasks_own(
+    worker_sends: bool, task_sends: bool
+) -> None:
+    app = Celery("switches", broker="memory://", set_as_current=False)
+    app.conf.worker_send_task_events = worker_sends
+
+    @app.task(base=LockedTask, lock_key="request_idx", send_events=task_sends, shared=False)
+    def quiet(request_idx: int) -> None: ...
+
+    assert task_events_enabled(quiet) is (worker_sends and task_sends)

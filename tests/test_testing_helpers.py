@@ -148,6 +148,19 @@ def test_redis_server_with_password() -> None:
             client.ping()
 
 
+def test_redis_server_url_encodes_a_password_with_url_characters() -> None:
+    password = "p@ss/w:rd#1?%"
+    with RedisServer(extra_args=["--requirepass", password]) as srv:
+        assert srv.url_for(3) == f"redis://:p%40ss%2Fw%3Ard%231%3F%25@127.0.0.1:{srv.port}/3"
+        client = redis.Redis.from_url(srv.url_for(3), retry=NO_RETRY)
+        try:
+            assert client.connection_pool.connection_kwargs["password"] == password
+            assert client.connection_pool.connection_kwargs["db"] == 3
+            assert client.ping()
+        finally:
+            client.close()
+
+
 def test_redis_server_reports_startup_failure(server: RedisServer) -> None:
     clash = RedisServer(port=server.port)  # port already taken
     with pytest.raises(RuntimeError, match="exited during startup"):

@@ -10,13 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import redis
 from celery import Celery
 from conftest import settle
 
+from celery_lock import LockedTask
 from celery_lock.lease import Holder, encode_lock
 from celery_lock.testing import CeleryWorker
+from celery_lock.worker import _check_options_fit
 
 pytestmark = pytest.mark.worker
 
@@ -59,6 +62,41 @@ def test_bad_worker_option_is_a_one_line_usage_error(
     assert done.returncode == 2  # click's usage error, before the worker starts
     assert f"Invalid value for '{option}': {problem}" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_worker_option_contradicting_the_conf_is_a_one_line_usage_error(
+    worker_env: dict[str, str],
+) -> None:
+    """--lock-ttl 1 under celery_lock_heartbeat_interval = 1.5 (valid without the option)."""
+    env = {**os.environ, **worker_env, "STORM_CONF": '{"celery_lock_heartbeat_interval": 1.5}'}
+    done = celery("worker", "--lock-ttl", "1", "--lock-on-duplicate", "retry", "--pool", "solo",
+                  env=env)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert (
+        "Error: Invalid value for '--lock-ttl': 1.0 conflicts with celery_lock_heartbeat_interval: "
+        "must be shorter than the lease TTL (1.0s), got 1.5s"
+    ) in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_worker_option_contradicting_a_task_option_names_both() -> None:
+    app = Celery("options_tests", broker="memory://", set_as_current=False)
+    app.conf.celery_lock_redis_url = "redis://127.0.0.1:1/0"
+
+    @app.task(base=LockedTask, name="options_tests.t", shared=False, lock_heartbeat_interval=10)
+    def t(request_idx: Any) -> None:
+        pass
+
+    given = {"celery_lock_ttl": ("--lock-ttl", 5.0)}
+    with pytest.raises(click.BadParameter) as raised:
+        _check_options_fit(app, given)
+    assert raised.value.format_message() == (
+        "Invalid value for '--lock-ttl': 5.0 conflicts with options_tests.t.lock_heartbeat_interval"
+        ": must be shorter than the lease TTL (5.0s), got 10.0s"
+    )
+    _check_options_fit(app, {"celery_lock_ttl": ("--lock-ttl", 30.0)})  # fits: no error
+    app.conf.celery_lock_ttl = 5  # the app's own contradiction: left to the checks that follow
+    _check_options_fit(app, given)
 
 
 def test_lock_on_duplicate_option_overrides_conf(

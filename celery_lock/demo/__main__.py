@@ -11,7 +11,8 @@ Steps:
 3. Publish ``--requests`` requests x ``--copies`` copies each, every copy with its own task id,
    shuffled, and wait until every copy has settled (SUCCESS, or SKIPPED by the lock).
 4. Check the record of runs: each request must have run exactly once, no two runs of a request
-   may overlap, and fences must increase. Print a table; exit 0 if all held, else 1.
+   may overlap, and fences must increase; and every copy must have settled in time, none of
+   them FAILURE or REVOKED. Print a table; exit 0 if all held, else 1.
 
 Exit status: 0 all good, 1 a check failed or the run timed out, 2 the demo could not start,
 130 interrupted. Everything the demo started (worker, redis-server) is stopped by pid, also on
@@ -122,8 +123,16 @@ class Summary:
 
     @property
     def ok(self) -> bool:
-        """Every request ran exactly once, and no run overlapped another."""
-        return self.doubles == 0 and self.executed == self.requests
+        """Every copy settled and none failed, every request ran exactly once, no run overlapped
+        another, and the fences of each request increased."""
+        return (
+            self.doubles == 0
+            and self.executed == self.requests
+            and self.never_ran == 0
+            and self.unsettled == 0
+            and self.failed == 0
+            and self.fences_increasing
+        )
 
     def table(self) -> str:
         """The summary as plain aligned text."""
@@ -595,7 +604,10 @@ class Demo:
                 f"OK: each of the {args.requests} requests ran exactly once, never two at a time."
             )
             return 0
-        self.say("FAILED: the lock did not hold, or the run did not finish; see the table above.")
+        self.say(
+            "FAILED: the lock did not hold, a copy failed, or the run did not finish; "
+            "see the table above."
+        )
         self.keep_log = True
         return 1
 
