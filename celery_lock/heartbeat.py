@@ -60,9 +60,11 @@ class Heartbeat:
         with self._guard:
             if self.running:
                 return
-            self._stopping.clear()
+            # A stop signal per thread: clearing a shared one would revive a thread that
+            # outlived stop()'s join (stuck in a slow extend) beside the new one.
+            self._stopping = threading.Event()
             self._thread = threading.Thread(
-                target=self._run, name="celery-lock-heartbeat", daemon=True
+                target=self._run, args=(self._stopping,), name="celery-lock-heartbeat", daemon=True
             )
             self._alive = True
             self._thread.start()
@@ -104,10 +106,10 @@ class Heartbeat:
     def _interval(self) -> float:
         return min((i for _, i in self._leases.values()), default=self._idle_interval)
 
-    def _run(self) -> None:
+    def _run(self, stopping: threading.Event) -> None:
         last_beat = _monotonic()
         try:
-            while not self._stopping.is_set():
+            while not stopping.is_set():
                 with self._guard:
                     interval = self._waiting = self._interval()
                 # Counted from the last beat, not from now: a wake-up (a lease with a shorter

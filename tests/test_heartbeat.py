@@ -71,6 +71,33 @@ def test_a_thread_that_ended_unexpectedly_is_started_again_by_the_next_lease(
     assert not second.is_alive()
 
 
+def test_a_thread_that_outlives_stop_ends_instead_of_beating_beside_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    heartbeat = Heartbeat()
+    in_beat, unblock = threading.Event(), threading.Event()
+
+    def slow_beat() -> None:  # an extend stuck on an unanswering store
+        in_beat.set()
+        unblock.wait(10)
+
+    monkeypatch.setattr(heartbeat, "beat", slow_beat)
+    heartbeat.add(object(), 0.01)  # type: ignore[arg-type]
+    stuck = heartbeat._thread
+    assert stuck is not None
+    assert in_beat.wait(10)
+    heartbeat.stop(timeout=0.05)  # its join gives up on the stuck thread
+    assert stuck.is_alive()
+    heartbeat.add(object(), LONG)  # type: ignore[arg-type]  # starts a new thread
+    try:
+        unblock.set()
+        stuck.join(10)
+        assert not stuck.is_alive()  # it saw its own stop, not the new thread's go-ahead
+        assert heartbeat.running
+    finally:
+        heartbeat.stop()
+
+
 def _granted(store: LockStore, request_key: str, ttl_ms: int) -> Lease:
     keys = RequestKeys.build("celery-lock", "shop.process", request_key, "shop.process")
     token = new_token()
