@@ -45,7 +45,7 @@ import os
 import random
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from celery import Signature, Task
 from celery._state import _task_stack  # type: ignore[attr-defined]
@@ -69,7 +69,7 @@ from .request import SkippedCopy
 from .runtime import get_runtime
 from .states import SKIPPED, skipped_marker
 
-__all__ = ["DEFERRALS_HEADER", "LockedTask"]
+__all__ = ["DEFERRALS_HEADER", "LockedContext", "LockedTask"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,19 @@ def _run_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
     return signature.replace(parameters=parameters)
 
 
+class LockedContext(Context):
+    """``self.request`` in a :class:`LockedTask`'s body, as type checkers see it: Celery's
+    ``Context`` with the lease's attributes. (At run time the request is a plain ``Context``
+    that carries them.)"""
+
+    #: The grant's fencing token; ``None`` for a body run unlocked under ``fail_open``.
+    lock_fence: int | None
+    #: The lease's Redis key.
+    lock_key: str
+    #: Whether the heartbeat found the lease lost.
+    lock_lost: bool
+
+
 class LockedTask(Task):  # type: ignore[type-arg]
     """A task that takes a per-request lease before its body runs.
 
@@ -168,6 +181,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
     Request = "celery_lock.request:LockedRequest"
 
     _lock_deriver: ClassVar[KeyDeriver | None] = None
+
+    if TYPE_CHECKING:
+
+        @property
+        def request(self) -> LockedContext:
+            """The running call's request, with ``lock_fence``, ``lock_key``, ``lock_lost``."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Check the lock options when the task class is created (decoration or finalize)."""
