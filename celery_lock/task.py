@@ -385,6 +385,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
         request.lock_lost = False
         request.lock_lease = lease
         lease.on_lost = self._lease_lost_callback(request)
+        headers = request.headers
+        if headers and DEFERRALS_HEADER in headers:
+            # Deferrals count a wait for a holder, which is over: a retry the body asks for
+            # (Celery copies the request's headers) must not start its backoff where it ended.
+            del headers[DEFERRALS_HEADER]
         success = False
         try:
             # Inside the try: whatever raises from here on (the heartbeat's thread failing to

@@ -564,6 +564,28 @@ def test_a_task_calling_itself_from_its_body_keeps_its_own_lease(
     assert lock_redis.get(walk.request_keys((0,), {}).done) == result.id.encode()
 
 
+def test_a_body_that_retries_starts_its_deferral_count_afresh(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    published: list[dict[str, Any]] = []
+
+    def on_publish(headers: dict[str, Any], **_: Any) -> None:
+        if headers.get("task") == "t.flaky":
+            published.append(headers)
+
+    before_task_publish.connect(on_publish, weak=False)
+    try:
+        # As a copy deferred five times while another held the request, then granted.
+        result = tasks["flaky"].apply_async((7,), headers={DEFERRALS_HEADER: 5})
+        assert result.get(timeout=TIMEOUT) == "second time lucky"
+    finally:
+        before_task_publish.disconnect(on_publish)
+    assert [call["retries"] for call in calls.seen] == [0, 1]
+    first, retried = published
+    assert first[DEFERRALS_HEADER] == 5
+    assert DEFERRALS_HEADER not in retried
+
+
 def test_a_deferred_copy_drops_rabbitmqs_dead_letter_headers(
     worker: Any, tasks: dict[str, Any], store: LockStore
 ) -> None:
