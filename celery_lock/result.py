@@ -93,6 +93,7 @@ class _Holding:
         self.task_name = skipped.get("task")
         # Skipped as done: the holder had finished before the copy was skipped.
         self._finished = skipped.get("reason") == "done"
+        self._lock_store: LockStore | None = None
 
     def finished(self) -> bool:
         """Whether the holder completed the request: its done-marker names it.
@@ -105,7 +106,9 @@ class _Holding:
             return self._finished
         done_key = f"{self.lock_key.removesuffix(':lock')}:done:{safe_key_part(self.task_name)}"
         try:
-            done = self._store().client.get(done_key)
+            if self._lock_store is None:
+                self._lock_store = self._store()
+            done = self._lock_store.client.get(done_key)
         except (redis.RedisError, CeleryLockError):
             return False  # the store cannot tell: keep waiting, as for a running holder
         if isinstance(done, bytes):

@@ -90,7 +90,8 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
 )
 
 #: Connection errors that mean "never" rather than "not now": a wrong password or user
-#: (``WRONGPASS``, ``NOAUTH``). Retrying or deferring cannot help; the task fails.
+#: (``WRONGPASS``, ``NOAUTH``). Tried once more (a rotated credential may have just expired),
+#: then the task fails: deferring cannot help.
 REFUSED_ERRORS: tuple[type[Exception], ...] = (AuthenticationError, AuthorizationError)
 
 #: Error codes of replies that mean "not now" rather than "never".
@@ -154,7 +155,9 @@ class LockStore:
         client: the client; celery-lock adds a hook to its connection pool (when the pool has
             none) that reads the server's ``run_id`` on every new connection.
         retry_attempts: tries per call for transient errors (the first included).
-        retry_deadline: seconds after which no further try starts.
+        retry_deadline: seconds after which no further try starts, except that one retry
+            follows a failed first try however long it took (when ``retry_attempts`` allows
+            one): a try that timed out may have run on the server.
     """
 
     def __init__(
@@ -312,7 +315,9 @@ class LockStore:
                 # round trip's own client-side work, and almost every call succeeds at once.
                 return fn()
             except REFUSED_ERRORS:
-                raise
+                # Once more, on a new connection: a credential provider whose token had just
+                # expired (ElastiCache IAM, Entra ID) fetches a fresh one.
+                return fn()
             except TRANSIENT_ERRORS as exc:
                 first_failure = exc
             return self._retry(what, lock_name, fn, first_failure, started)
@@ -474,7 +479,7 @@ class LockStore:
             return replies
 
         replies = Retrying(
-            retry=retry_if_exception(lambda exc: isinstance(exc, TRANSIENT_ERRORS)),
+            retry=retry_if_exception(_transient),
             stop=stop_after_attempt(2),
             reraise=True,
         )(run)

@@ -414,10 +414,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
         the lease held by its own task id and wait for it to lapse, or, eager, fail with
         :class:`LockContendedError`.
         """
-        lease: Lease | None = getattr(self.request, "lock_lease", None)
+        request = self.request
+        lease: Lease | None = getattr(request, "lock_lease", None)
         if lease is not None:
             get_runtime(self.app).heartbeat.discard(lease)
             self._release(lease, self.lock_settings(), success=False)
+            # Eager, replace() returns and the body goes on, without the lease: check_lock()
+            # must say so.
+            request.lock_lost = True
         return super().on_replace(sig)
 
     def _release(self, lease: Lease, settings: LockSettings, *, success: bool) -> None:

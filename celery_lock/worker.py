@@ -109,7 +109,8 @@ def _check_options_fit(app: Celery, given: Mapping[str, tuple[str, Any]]) -> Non
     alone. A contradiction within the app's own settings is left to the checks that follow.
 
     Raises:
-        click.BadParameter: the settings are valid without the options, but not with them.
+        click.BadParameter: the settings are valid without the options, but not with them
+            (:class:`ConfigurationError` naming the options, for a worker started from Python).
     """
     if not given:
         return
@@ -126,11 +127,11 @@ def _check_options_fit(app: Celery, given: Mapping[str, tuple[str, Any]]) -> Non
         )
         is None
     ] or list(overrides)
-    raise click.BadParameter(
-        f"{', '.join(f'{given[s][1]!r}' for s in culprits)} conflicts with {problem}",
-        ctx=click.get_current_context(silent=True),
-        param_hint=[given[s][0] for s in culprits],
-    )
+    message = f"{', '.join(f'{given[s][1]!r}' for s in culprits)} conflicts with {problem}"
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:  # a worker started from Python (app.Worker, start_worker): a typed error
+        raise ConfigurationError(" / ".join(given[s][0] for s in culprits), message)
+    raise click.BadParameter(message, ctx=ctx, param_hint=[given[s][0] for s in culprits])
 
 
 def _checked(ctx: click.Context, param: click.Parameter, value: Any) -> Any:

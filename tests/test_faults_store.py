@@ -42,6 +42,7 @@ from celery import Celery
 from celery.contrib.testing.worker import TestWorkController
 from conftest import command_calls, settle, wait_for
 from redis.backoff import NoBackoff
+from redis.credentials import CredentialProvider
 from redis.retry import Retry
 
 from celery_lock import (
@@ -786,6 +787,29 @@ def test_a_wrong_password_fails_without_retry(
         wrong.client.close()
     assert not isinstance(caught.value, LockStoreUnavailableError)
     assert logs.messages(logging.INFO, "trying again") == []
+
+
+def test_a_credential_refused_once_is_tried_once_more(
+    lock_server: RedisServer, admin: redis.Redis
+) -> None:
+    """A credential provider's token that had just expired: the next connection gets a fresh
+    one, as with ElastiCache IAM or Entra ID tokens."""
+    admin.acl_setuser("shop", enabled=True, passwords=["+fresh"], keys=["*"], commands=["+@all"])
+
+    class Rotating(CredentialProvider):
+        def __init__(self) -> None:
+            self.tokens = iter(["expired", "fresh", "fresh"])
+
+        def get_credentials(self) -> tuple[str, str]:
+            return "shop", next(self.tokens)
+
+    client = redis.Redis(
+        port=lock_server.port, credential_provider=Rotating(), retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        assert acquire(LockStore(client), new_token()) == Acquired(fence=1)
+    finally:
+        client.close()
 
 
 def test_other_error_replies_fail_without_retry(

@@ -137,7 +137,16 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
             return self.replace(self.si(request_idx, hops - 1))
         return f"landed {request_idx}"
 
-    every = (process, pending, stage, flaky, boom, slow, walk, hop)
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.relay")
+    def relay(self: Any, request_idx: int) -> str:
+        value = self.replace(process.si(request_idx))  # eager: returns the replacement's value
+        try:
+            self.check_lock()
+        except LockLostError:
+            return f"{value}; lease handed on"
+        return f"{value}; lease still held"
+
+    every = (process, pending, stage, flaky, boom, slow, walk, hop, relay)
     return {t.name.split(".", 1)[1]: t for t in every}
 
 
@@ -317,6 +326,13 @@ def test_replace_hands_the_request_on_and_the_last_run_marks_it_done(
     keys: RequestKeys = tasks["hop"].request_keys((7, 0), {})
     assert not lock_redis.exists(keys.lock)
     assert lock_redis.get(keys.done) == result.id.encode()
+
+
+def test_after_an_eager_replace_the_body_knows_it_holds_no_lease(
+    tasks: dict[str, Any], lock_redis: redis.Redis
+) -> None:
+    assert tasks["relay"].apply((7,)).get() == "processed 7; lease handed on"
+    assert not lock_redis.exists("celery-lock:{t.relay:7}:lock")
 
 
 def test_replace_hands_the_request_on_in_an_eager_call(

@@ -16,7 +16,7 @@ import redis
 from celery import Celery
 from conftest import settle
 
-from celery_lock import LockedTask
+from celery_lock import ConfigurationError, LockedTask
 from celery_lock.lease import Holder, encode_lock
 from celery_lock.testing import CeleryWorker
 from celery_lock.worker import _check_options_fit
@@ -88,12 +88,16 @@ def test_worker_option_contradicting_a_task_option_names_both() -> None:
         pass
 
     given = {"celery_lock_ttl": ("--lock-ttl", 5.0)}
-    with pytest.raises(click.BadParameter) as raised:
-        _check_options_fit(app, given)
-    assert raised.value.format_message() == (
-        "Invalid value for '--lock-ttl': 5.0 conflicts with options_tests.t.lock_heartbeat_interval"
-        ": must be shorter than the lease TTL (5.0s), got 10.0s"
+    conflict = (
+        "5.0 conflicts with options_tests.t.lock_heartbeat_interval: must be shorter than the "
+        "lease TTL (5.0s), got 10.0s"
     )
+    with click.Context(click.Command("worker")), pytest.raises(click.BadParameter) as raised:
+        _check_options_fit(app, given)  # from the command line: Click's usage error
+    assert raised.value.format_message() == f"Invalid value for '--lock-ttl': {conflict}"
+    with pytest.raises(ConfigurationError) as typed:
+        _check_options_fit(app, given)  # from Python (app.Worker): a typed error
+    assert (typed.value.setting, typed.value.problem) == ("--lock-ttl", conflict)
     _check_options_fit(app, {"celery_lock_ttl": ("--lock-ttl", 30.0)})  # fits: no error
     app.conf.celery_lock_ttl = 5  # the app's own contradiction: left to the checks that follow
     _check_options_fit(app, given)
