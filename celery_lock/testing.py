@@ -151,16 +151,24 @@ class RedisServer:
         cmd = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1"]
         cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
         cmd += ["--dir", self._dir.name, "--logfile", str(log), *self.extra_args]
-        # Own session: a Ctrl-C meant for the caller must not kill the server under it.
-        self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True
-        )
+        # Own session: a Ctrl-C meant for the caller must not kill the server under it. Its
+        # stderr (a config error, before the log file opens) goes to the log too: inherited, it
+        # would hold a caller's pipe open for as long as the server lived.
+        with log.open("ab") as early_errors:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=early_errors,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         with self.client(socket_timeout=0.5, retry=Retry(NoBackoff(), 0)) as probe:
             while True:
                 if self._proc.poll() is not None:
+                    why = _tail(log)  # before the cleanup deletes the log with its directory
                     self._cleanup()
-                    raise RuntimeError(f"redis-server exited during startup:\n{_tail(log)}")
+                    raise RuntimeError(f"redis-server exited during startup:\n{why}")
                 try:  # check the pid: another server may hold the port we failed to bind
                     if probe.info("server").get("process_id") == self._proc.pid:
                         return

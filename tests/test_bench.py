@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from programs import run_program
 
 from bench.endtoend import LOCKED, PLAIN
 from bench.lockcycle import FLOOR, LEAN, SCRIPTED_FLOOR
@@ -33,21 +33,7 @@ QUICK_LIMIT = 300
 
 
 def run_bench(*args: str, cwd: Path, module: str = "bench") -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", module, *args]
-    with subprocess.Popen(
-        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=QUICK_LIMIT)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the bench cleans up its workers and server
-            try:
-                stdout, stderr = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                stdout, stderr = proc.communicate()
-            pytest.fail(f"{shlex.join(command[1:])} ran over {QUICK_LIMIT}s:\n{stderr[-4000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+    return run_program([sys.executable, "-m", module, *args], cwd=cwd, timeout=QUICK_LIMIT)
 
 
 @pytest.mark.timeout(QUICK_LIMIT + 120)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from programs import run_program
 
 from celery_lock.demo.__main__ import Run, main, summarize
 from celery_lock.testing import free_port
@@ -32,14 +33,8 @@ def demo_env(**extra: str) -> dict[str, str]:
 
 
 def run_demo(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "celery_lock.demo", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        check=False,
+    return run_program(
+        [sys.executable, "-m", "celery_lock.demo", *args], env=env, cwd=ROOT, timeout=RUN_TIMEOUT
     )
 
 

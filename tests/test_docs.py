@@ -52,6 +52,7 @@ from typing import Any
 
 import click
 import pytest
+from programs import run_program
 
 import celery_lock
 from celery_lock import CeleryLockError, LockSettings
@@ -638,9 +639,9 @@ def run_page(
     try:
         for worker in workers:
             worker.start(timeout=60)
-        done = subprocess.run(
+        done = run_program(
             [sys.executable, "_runner.py", "_steps.json", "_results.json"],
-            cwd=directory, env=env, capture_output=True, text=True, timeout=150, check=False,
+            cwd=directory, env=env, timeout=150,
         )  # fmt: skip
     finally:
         for worker in workers:

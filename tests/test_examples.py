@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from programs import run_program
 
 from celery_lock.testing import RedisServer
 
@@ -28,10 +29,8 @@ def run(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProc
     base = {
         k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("PIPELINE_")
     }
-    done = subprocess.run(
-        args, cwd=ROOT, env={**base, "PYTHONUNBUFFERED": "1", **env},
-        capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+    environment = {**base, "PYTHONUNBUFFERED": "1", **env}
+    done = run_program(args, cwd=ROOT, env=environment, timeout=timeout)
     print(done.stdout)  # shown by pytest when the test fails
     print(done.stderr, file=sys.stderr)
     return done

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import random
 import sqlite3
-import subprocess
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from programs import run_program
 
 from celery_lock import CeleryLockError
 from celery_lock.fencing import (
@@ -344,10 +344,9 @@ def test_sql_concurrent_writers_with_random_fences_end_with_the_largest(tmp_path
 
 def test_example_runs_and_fences_off_the_stale_holder() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "fencing.py")],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    done = run_program(
+        [sys.executable, str(ROOT / "examples" / "fencing.py")], env=env, cwd=ROOT, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "A writes with fence 1: fenced update REJECTED" in done.stdout
     assert "B writes with fence 2: fenced update accepted" in done.stdout

@@ -14,16 +14,20 @@ from celery import Celery
 import celery_lock
 
 
+def env_url(prefix: str, role: str, db: int) -> str:
+    """``<PREFIX>_<ROLE>_URL``; unset, a URL that names the missing variable and reaches no
+    server, never the machine's own Redis on 6379."""
+    missing = f"{prefix}-{role}-url-not-set".lower().replace("_", "-")
+    return os.environ.get(f"{prefix}_{role}_URL", f"redis://{missing}.invalid:6379/{db}")
+
+
 def worker_test_app(name: str, prefix: str, **conf: Any) -> Celery:
     """An app on ``<PREFIX>_BROKER_URL``, ``_BACKEND_URL`` and ``_LOCK_URL`` (the lock store),
     one message per pool process at a time, with celery-lock installed; ``conf`` on top."""
 
-    def url(role: str, db: int) -> str:
-        return os.environ.get(f"{prefix}_{role}_URL", f"redis://127.0.0.1:6379/{db}")
-
-    app = Celery(name, broker=url("BROKER", 0), backend=url("BACKEND", 1))
+    app = Celery(name, broker=env_url(prefix, "BROKER", 0), backend=env_url(prefix, "BACKEND", 1))
     app.conf.update(
-        celery_lock_redis_url=url("LOCK", 2),
+        celery_lock_redis_url=env_url(prefix, "LOCK", 2),
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         result_expires=3600,
@@ -39,8 +43,7 @@ class Recorder:
     own clock)."""
 
     def __init__(self, prefix: str) -> None:
-        url = os.environ.get(f"{prefix}_RECORD_URL", "redis://127.0.0.1:6379/3")
-        self.client = redis.Redis.from_url(url)
+        self.client = redis.Redis.from_url(env_url(prefix, "RECORD", 3))
 
     def append(self, key: str, **entry: Any) -> None:
         self.client.rpush(key, json.dumps({**entry, "pid": os.getpid(), "at": time.monotonic()}))
