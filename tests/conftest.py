@@ -111,8 +111,14 @@ def spawn_worker(tmp_path: Path) -> Iterator[Callable[..., CeleryWorker]]:
         return worker
 
     yield spawn
-    for worker, kill in started:
-        worker.kill() if kill else worker.stop()
+    errors: list[BaseException] = []
+    for worker, kill in started:  # each one, even if stopping another raised
+        try:
+            worker.kill() if kill else worker.stop()
+        except BaseException as exc:  # re-raised below, once every worker has been stopped
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import redis
 from celery_lock.keys import RequestKeys, safe_key_part
 from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.store import LockStore
+from celery_lock.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,7 +165,8 @@ def test_listing_uses_scan_never_keys(worker_env: dict[str, str], store: LockSto
 
 
 def test_unreachable_store_is_a_clean_error(worker_env: dict[str, str]) -> None:
-    done = celery_lock_cli(worker_env, "--url", "redis://127.0.0.1:1/0", "ls")
+    port = free_port()  # free a moment ago: nothing listens there
+    done = celery_lock_cli(worker_env, "--url", f"redis://127.0.0.1:{port}/0", "ls")
     assert done.returncode == 1
     assert "cannot reach the lock store" in done.stderr
     assert "Traceback" not in done.stderr

@@ -336,17 +336,30 @@ def test_busy_reply_is_transient_not_state(lock_server: RedisServer, store: Lock
     admin = lock_server.client()
     admin.config_set("lua-time-limit", 50)
     busy_loop = (
-        "local t = redis.call('TIME') local stop = t[1] + 3 "
+        "local t = redis.call('TIME') local stop = t[1] + 4 "
         "while tonumber(redis.call('TIME')[1]) < stop do end return 1"
     )
     acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "warm", "s"))
+    probe = lock_server.client()
+
+    def answers_busy() -> bool:
+        try:
+            probe.ping()
+        except redis.ResponseError as exc:
+            return str(exc).startswith("BUSY")
+        return False  # the script has not started yet, or not run past lua-time-limit
+
     runner = threading.Thread(target=lambda: admin.eval(busy_loop, 0), daemon=True)
     runner.start()
-    time.sleep(0.2)
-    with pytest.raises(LockStoreUnavailableError, match="BUSY"):
-        acquire(store, new_token())
-    runner.join(TIMEOUT)
-    admin.close()
+    try:
+        wait_for("the server to answer BUSY", answers_busy, 2.0)  # well within the 3 s script
+        with pytest.raises(LockStoreUnavailableError, match="BUSY"):
+            acquire(store, new_token())
+    finally:
+        runner.join(TIMEOUT)
+        probe.close()
+        admin.close()
+    assert not runner.is_alive()
     assert acquire(store, new_token()) == Acquired(fence=1)  # served again once it is over
 
 
@@ -876,11 +889,27 @@ def test_tokens_are_distinct_across_forked_processes() -> None:
 
 
 def test_tasks_in_one_process_draw_a_new_token_per_acquisition(
-    store: LockStore, admin: redis.Redis
+    tasks: dict[str, Any], bodies: Bodies, admin: redis.Redis
 ) -> None:
-    seen = set()
-    for idx in range(50):
-        keys = RequestKeys.build("celery-lock", "s", str(idx), "s")
-        acquire(store, new_token(), keys)
-        seen.add(admin.get(keys.lock).split(b" ")[0])
-    assert len(seen) == 50
+    """One request, run five times in this process: each grant writes a token of its own.
+
+    The body fails after reading its lock, so no done-marker stops the next run."""
+    work = tasks["work"]
+    keys = work.request_keys((7,), {})
+    locks: list[bytes] = []
+
+    def read_lock_then_fail() -> None:
+        lock = admin.get(keys.lock)  # "<token> <fence> <holder>", as the task wrote it
+        assert isinstance(lock, bytes), lock
+        locks.append(lock)
+        raise RuntimeError("fail, so the request is not done")
+
+    bodies.in_body = read_lock_then_fail
+    for _ in range(5):
+        with pytest.raises(RuntimeError, match="not done"):
+            work(7)
+    tokens = [lock.split(b" ")[0] for lock in locks]
+    assert [int(lock.split(b" ")[1]) for lock in locks] == [1, 2, 3, 4, 5]  # five grants
+    assert all(len(token) == 32 and int(token, 16) >= 0 for token in tokens)
+    assert len(set(tokens)) == 5, tokens
+    assert not admin.exists(keys.lock)  # each run released its lease

@@ -1,14 +1,16 @@
 """The lock store sees exactly two commands per uncontended task: acquire and release.
 
 Counted on the server (``INFO commandstats``), so whatever the client does is seen. Commands the
-scripts run inside EVALSHA are counted by Redis too; they are told apart by name: the test allows
-only EVALSHA at top level, plus the INFO calls it makes itself.
+scripts run inside EVALSHA are counted by Redis too, under the same names as top-level calls, so
+every command's count is pinned (the INFO calls the test makes itself aside), and the client's
+sends are counted as well.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -25,11 +27,26 @@ from celery_lock.store import LockStore
 TASKS = 50
 #: What the three scripts run inside EVALSHA.
 SCRIPT_COMMANDS = {"get", "pttl", "incr", "pexpire", "del", "set"}
+#: Every command the server runs for one uncontended task, top level and inside the scripts.
+#: Pinned exactly: a top-level GET, PTTL or PEXPIRE the client added would change these counts.
+PER_TASK = Counter({
+    "evalsha": 2,  # acquire and release: the only round trips
+    "get": 3,  # acquire reads the done-marker and the lock; release reads the lock
+    "incr": 1,  # one fence per grant
+    "pttl": 1, "pexpire": 1,  # acquire gives the new fence counter its TTL
+    "set": 2,  # the lease, then its done-marker
+    "del": 1,  # the lease, released
+})  # fmt: skip
 
 
 def top_level(delta: Counter[str]) -> Counter[str]:
     return Counter({name: n for name, n in delta.items()
                     if n and name not in SCRIPT_COMMANDS and name != "info"})  # fmt: skip
+
+
+def without_info(delta: Counter[str]) -> Counter[str]:
+    """``delta`` without the INFO calls the test makes itself (and without zero counts)."""
+    return Counter({name: n for name, n in delta.items() if n and name != "info"})
 
 
 @pytest.fixture
@@ -44,58 +61,50 @@ def process(celery_app: Celery) -> Iterator[Any]:
 
 
 def test_uncontended_task_costs_two_round_trips(
-    process: Any, celery_worker: Any, lock_redis: redis.Redis
+    celery_app: Celery, process: Any, celery_worker: Any, lock_redis: redis.Redis
 ) -> None:
     process.delay(-1).get(timeout=20)  # loads the scripts on this server
+    store = get_runtime(celery_app).store_for(process.lock_settings())
     before = command_calls(lock_redis)
-    results = [process.delay(idx) for idx in range(TASKS)]
-    assert [r.get(timeout=20) for r in results] == list(range(TASKS))
+    with count_writes(store) as sent:
+        results = [process.delay(idx) for idx in range(TASKS)]
+        assert [r.get(timeout=20) for r in results] == list(range(TASKS))
     delta = command_calls(lock_redis) - before
+    assert len(sent) == 2 * TASKS  # round trips the worker's lock store client made
     assert top_level(delta) == Counter({"evalsha": 2 * TASKS})
-    assert delta["incr"] == TASKS  # one fence per grant
-    assert delta["set"] == 2 * TASKS  # the lease, then its done-marker
-    assert delta["del"] == TASKS  # the lease, released
+    assert without_info(delta) == Counter({name: n * TASKS for name, n in PER_TASK.items()})
 
 
 def test_heartbeat_extends_many_leases_in_one_pipelined_round_trip(
     celery_app: Celery, lock_url: str, lock_redis: redis.Redis
 ) -> None:
     store = LockStore.from_url(lock_url)
-    leases = []
-    for idx in range(TASKS):
-        keys = RequestKeys.build("celery-lock", "rt", str(idx), "rt.process")
-        token = new_token()
-        outcome = store.acquire(
-            keys, token, 30_000, Holder(f"t{idx}", "rt.process", "h", 1), 60_000
-        )
-        assert isinstance(outcome, Acquired)
-        leases.append(
-            Lease(
-                store,
-                keys,
-                token,
-                30_000,
-                outcome.fence,
-                outcome and Holder(f"t{idx}", "rt.process", "h", 1),
-            )
-        )
-    heartbeat = get_runtime(celery_app).heartbeat
-    for lease in leases:
-        heartbeat.add(lease, interval=3600)  # long interval: only the beat below runs
-    heartbeat.beat()  # loads the extend script
-    before = command_calls(lock_redis)
-    packets = count_writes(store)
-    heartbeat.beat()
-    assert packets() == 1
-    delta = command_calls(lock_redis) - before
-    assert top_level(delta) == Counter({"evalsha": TASKS})
-    reset_runtime(celery_app)
-    store.client.close()
+    try:
+        heartbeat = get_runtime(celery_app).heartbeat
+        for idx in range(TASKS):
+            keys = RequestKeys.build("celery-lock", "rt", str(idx), "rt.process")
+            token, holder = new_token(), Holder(f"t{idx}", "rt.process", "h", 1)
+            outcome = store.acquire(keys, token, 30_000, holder, 60_000)
+            assert isinstance(outcome, Acquired)
+            lease = Lease(store, keys, token, 30_000, outcome.fence, holder)
+            heartbeat.add(lease, interval=3600)  # long interval: only the beats below run
+        heartbeat.beat()  # loads the extend script
+        before = command_calls(lock_redis)
+        with count_writes(store) as sent:
+            heartbeat.beat()
+        assert len(sent) == 1
+        delta = command_calls(lock_redis) - before
+        assert top_level(delta) == Counter({"evalsha": TASKS})
+    finally:
+        reset_runtime(celery_app)  # stops the heartbeat
+        store.client.close()
 
 
-def count_writes(store: LockStore) -> Any:
-    """Count the times the client sends to the server (one per round trip)."""
-    sent = []
+@contextmanager
+def count_writes(store: LockStore) -> Iterator[list[int]]:
+    """Count the times the client sends to the server (one per round trip), while in the
+    ``with`` block; the connection class is restored on the way out, whatever happens."""
+    sent: list[int] = []
     connection_class = store.client.connection_pool.connection_class
     original = connection_class.send_packed_command
 
@@ -104,9 +113,7 @@ def count_writes(store: LockStore) -> Any:
         original(self, command, check_health)
 
     connection_class.send_packed_command = send_packed_command  # type: ignore[method-assign]
-
-    def packets() -> int:
+    try:
+        yield sent
+    finally:
         connection_class.send_packed_command = original  # type: ignore[method-assign]
-        return len(sent)
-
-    return packets

@@ -117,16 +117,22 @@ def test_shutdown_that_cuts_a_body_short_hands_its_lease_back(
     assert [run["fence"] for run in started_runs(records)] == [1, 2]
 
 
-def test_cold_shutdown_leaves_only_leases_that_lapse(
+def test_cold_shutdown_hands_the_lease_back_and_leaves_only_the_fence(
     start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
 ) -> None:
+    """SIGQUIT on a prefork worker: billiard terminates the pool, the body's ``finally``
+    releases without a done-marker and the process hands back what it still holds. The only
+    key left is the fence counter, which lapses by its own TTL (the 24 h done TTL here)."""
     worker = start_worker()
     producer.send_task("storm.hold", args=(1,))
     wait_for("the body to start", lambda: started_runs(records), 20)
+    assert locks.exists(HOLD_KEY)
     worker.send_signal(signal.SIGQUIT)  # cold shutdown
     worker.wait(30)
-    for key in locks.scan_iter("celery-lock:*"):
-        assert locks.pttl(key) > 0, f"{key!r} would never lapse"
+    fence_key = "celery-lock:{storm.hold:1}:fence"
+    assert sorted(locks.scan_iter("celery-lock:*")) == [fence_key.encode()]  # no lock, no done
+    assert 0 < locks.pttl(fence_key) <= 24 * 3600 * 1000, "the fence counter would never lapse"
+    assert locks.get(fence_key) == b"1"
 
 
 def test_worker_warns_about_settings_that_contradict_the_guarantees(

@@ -469,14 +469,22 @@ def test_lost_lease_is_reported_to_body_and_signal(
     worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
 ) -> None:
     lost: list[str] = []
-    signals.lock_lost.connect(lambda sender, lock_key, **_: lost.append(lock_key), weak=False)
-    result = tasks["slow"].delay(7)
-    assert calls.started.wait(TIMEOUT)
-    keys = tasks["slow"].request_keys((7,), {})
-    lock_redis.set(keys.lock, "someone-else 99 {}", keepttl=True)  # the lease is taken over
-    wait_for("lock_lost", lambda: lost, TIMEOUT)
-    calls.proceed.set()
-    assert result.get(timeout=TIMEOUT) is True
+
+    def on_lost(sender: Any, lock_key: str, **_: Any) -> None:
+        lost.append(lock_key)
+
+    signals.lock_lost.connect(on_lost, weak=False)
+    try:
+        result = tasks["slow"].delay(7)
+        assert calls.started.wait(TIMEOUT)
+        keys = tasks["slow"].request_keys((7,), {})
+        lock_redis.set(keys.lock, "someone-else 99 {}", keepttl=True)  # the lease is taken over
+        wait_for("lock_lost", lambda: lost, TIMEOUT)
+        calls.proceed.set()
+        assert result.get(timeout=TIMEOUT) is True
+    finally:
+        calls.proceed.set()  # never leave the body waiting on a failed test
+        signals.lock_lost.disconnect(on_lost)
     assert lost == [keys.lock]
     assert not lock_redis.exists(keys.done)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +71,10 @@ def test_find_redis_server_explains_how_to_get_one(monkeypatch: pytest.MonkeyPat
 def test_free_port_is_bindable() -> None:
     port = free_port()
     assert 0 < port < 65536
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", port))  # raises OSError (EADDRINUSE) if the port is taken
+        sock.listen(1)
+        assert sock.getsockname() == ("127.0.0.1", port)
 
 
 # -- RedisServer ---------------------------------------------------------------------------
@@ -166,6 +171,14 @@ def test_redis_server_reports_startup_failure(server: RedisServer) -> None:
     with pytest.raises(RuntimeError, match="exited during startup"):
         clash.start()
     assert clash.pid is None
+
+
+def test_redis_server_startup_failure_quotes_what_the_server_said() -> None:
+    # A bad option is reported on stderr before the log file opens.
+    bad = RedisServer(extra_args=["--no-such-option", "x"])
+    with pytest.raises(RuntimeError, match="FATAL CONFIG FILE ERROR"):
+        bad.start()
+    assert bad.pid is None
 
 
 # -- CeleryWorker --------------------------------------------------------------------------
