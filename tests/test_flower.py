@@ -170,7 +170,9 @@ def wait_skipped(result: AsyncResult[Any]) -> None:
 def test_flower_counts_and_lists_skipped_copies(
     stack: Callable[..., Any], producer: Celery, locks: redis.Redis
 ) -> None:
-    flower, _ = stack(task_events=True, STORM_WORK_SECONDS="1.0")
+    # The first copy runs long enough for the second to reach the other pool process while it
+    # runs (skipped: running), even on a loaded machine.
+    flower, _ = stack(task_events=True, STORM_WORK_SECONDS="5.0")
     key = lock_key("storm.process", 7)
 
     first = producer.send_task("storm.process", args=(7,))

@@ -175,17 +175,18 @@ def test_a_run_that_outlasts_its_fence_counters_ttl_keeps_the_counter(
     heartbeat = Heartbeat()
     keys = RequestKeys.build("celery-lock", "shop.process", "long-run", "shop.process")
     token = new_token()
-    outcome = store.acquire(keys, token, 400, HOLDER, 1_000)
+    # A 2 s lease beaten every 0.5 s: only a thread stalled for 1.5 s would lose it.
+    outcome = store.acquire(keys, token, 2_000, HOLDER, 3_000)
     assert outcome == Acquired(fence=1)
-    lease = Lease(store, keys, token, 400, outcome.fence, HOLDER, fence_ttl_ms=1_000)
-    heartbeat.add(lease, 0.1)
+    lease = Lease(store, keys, token, 2_000, outcome.fence, HOLDER, fence_ttl_ms=3_000)
+    heartbeat.add(lease, 0.5)
     try:
-        time.sleep(1.6)  # the counter's TTL from the grant has run out
+        time.sleep(4.0)  # the counter's TTL from the grant (3 s) has run out
         assert not lease.lost
         assert lock_redis.exists(keys.fence)
         heartbeat.stop()
         lock_redis.delete(keys.lock)  # the holder paused past its lease
-        assert store.acquire(keys, new_token(), 400, HOLDER, 1_000) == Acquired(fence=2)
+        assert store.acquire(keys, new_token(), 2_000, HOLDER, 3_000) == Acquired(fence=2)
     finally:
         heartbeat.stop()
         store.client.close()
