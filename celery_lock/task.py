@@ -45,6 +45,7 @@ import os
 import random
 import weakref
 from collections.abc import Callable
+from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from celery import Signature, Task
@@ -314,6 +315,9 @@ class LockedTask(Task):  # type: ignore[type-arg]
         )
         store = runtime.store_for(settings)
         token = new_token()
+        # The lease's TTL runs from when the script ran, somewhere after this: counting from
+        # here, Lease.expired errs early, never late, however long the acquire's tries took.
+        asked_at = _monotonic()
         try:
             outcome = store.acquire(keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms)
         except LockStoreError as exc:
@@ -321,8 +325,9 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
         if isinstance(outcome, Acquired):
             lease = Lease(
-                store, keys, token, settings.ttl_ms, outcome.fence, holder, settings.fence_ttl_ms
-            )
+                store, keys, token, settings.ttl_ms, outcome.fence, holder, settings.fence_ttl_ms,
+                confirmed_at=asked_at,
+            )  # fmt: skip
             return self._run_with_lease(lease, settings, args, kwargs, request, runtime.heartbeat)
         if isinstance(outcome, Done):
             if outcome.task_id and outcome.task_id == request.id:

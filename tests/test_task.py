@@ -544,6 +544,34 @@ def test_a_heartbeat_that_cannot_start_leaves_no_lease_held(
     assert not lock_redis.exists("celery-lock:{t.process:7}:lock")
 
 
+def test_a_lease_counts_its_ttl_from_before_the_acquire(
+    celery_app: Celery, tasks: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The script may run at any point of a slow acquire (retries after a timeout): the lease's
+    # own clock must not start later than the server's, or it would look alive when it is not.
+    store = get_runtime(celery_app).store_for(tasks["process"].lock_settings())
+    acquire = store.acquire
+
+    def slow_acquire(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)
+        return acquire(*args, **kwargs)
+
+    monkeypatch.setattr(store, "acquire", slow_acquire)
+    seen: list[float] = []
+
+    def on_acquired(sender: Any, **_: Any) -> None:
+        seen.append(sender.request.lock_lease.confirmed_at)
+
+    signals.lock_acquired.connect(on_acquired, weak=False)
+    try:
+        called_at = time.monotonic()
+        tasks["process"](7)
+    finally:
+        signals.lock_acquired.disconnect(on_acquired)
+    [confirmed_at] = seen
+    assert confirmed_at < called_at + 0.4  # before the slow acquire, not after it
+
+
 def test_direct_call_of_held_request_raises(tasks: dict[str, Any], store: LockStore) -> None:
     hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
     with pytest.raises(LockContendedError, match="pending-id"):
