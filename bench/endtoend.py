@@ -20,6 +20,7 @@ Three rates per contender:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -153,11 +154,11 @@ def _summarize(samples: dict[str, dict[str, list[float]]], count: int) -> dict[s
             ],
             # Tasks per CPU-second (worker processes and redis-server; plus this process and
             # redis-server while publishing): the rate a saturated machine would reach.
-            "worker_cpu": [count / t for t in s["drain_cpu_s"] if t],
+            # NaN, not left out, where no CPU was read: the rounds stay paired across contenders.
+            "worker_cpu": [count / t if t else math.nan for t in s["drain_cpu_s"]],
             "end_to_end_cpu": [
-                count / (p + d)
+                count / (p + d) if p + d else math.nan
                 for p, d in zip(s["publish_cpu_s"], s["drain_cpu_s"], strict=True)
-                if p + d
             ],
         }
     plain = rates.get(PLAIN)

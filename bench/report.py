@@ -1,8 +1,14 @@
-"""Results as Markdown tables (printed, and pasted into ``docs/benchmarks.md``), JSON and a plot."""
+"""Results as Markdown tables (printed, and pasted into ``docs/benchmarks.md``), JSON and a plot.
+
+``python -m bench.report RESULTS.json [--plot PATH]`` prints a kept run's tables again and, with
+``--plot``, draws its plot (as ``docs/benchmarks/throughput.png`` is drawn from a kept run).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -436,3 +442,23 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print a kept run's tables; draw its plot with ``--plot``."""
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__)
+    parser.add_argument("results", type=Path, help="a run's JSON (bench/results/*.json)")
+    parser.add_argument("--plot", type=Path, help="where to write the run's plot")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        results = json.loads(args.results.read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot read {args.results}: {exc}")
+    print(render(results), end="")
+    if args.plot is not None and plot(results, args.plot) is None:
+        parser.error(f"{args.results} has no end-to-end section to plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

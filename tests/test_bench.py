@@ -8,7 +8,9 @@ its redis-server by pid, then SIGKILL.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 from programs import run_program
 
+from bench import report, stats
 from bench.endtoend import LOCKED, PLAIN
 from bench.lockcycle import FLOOR, LEAN, SCRIPTED_FLOOR
 from bench.report import headline
@@ -237,3 +240,34 @@ def test_ahead_of_a_peer_is_judged_round_by_round() -> None:
     del by_size["celery-once"]
     [line] = headline({"endtoend": {"by_processes": {"2": {"contenders": by_size}}}})
     assert line.endswith("end to end 400/s")
+
+
+@pytest.mark.parametrize("names", [["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d", "e"]])
+def test_every_two_rounds_run_each_contender_once_before_and_once_after_each_other(
+    names: list[str],
+) -> None:
+    orders = [order for _, order in stats.rounds(names, 2 * len(names))]
+    assert all(sorted(order) == names for order in orders)
+    for first, second in itertools.combinations(names, 2):
+        for pair in zip(orders[::2], orders[1::2], strict=True):
+            before = [order.index(first) < order.index(second) for order in pair]
+            assert sorted(before) == [False, True], (first, second, pair)
+
+
+def test_a_lost_reading_drops_its_round_from_both_sides_of_a_ratio() -> None:
+    nan = math.nan
+    assert stats.paired_ratios([2.0, nan, 3.0], [1.0, 1.0, nan]) == [2.0]
+    assert stats.Summary.of([1.0, nan, 3.0]).as_dict() == {
+        "median": 2.0, "low": 1.0, "high": 3.0, "n": 2
+    }  # fmt: skip
+
+
+def test_a_kept_run_is_printed_and_plotted_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kept = ROOT / "docs" / "benchmarks" / "runs" / "20261122-010532-full.json"
+    assert report.main([str(kept), "--plot", str(tmp_path / "plot.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "## End to end" in printed
+    assert "celery-singleton" in printed
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
