@@ -213,6 +213,14 @@ def _bytes(size: dict[str, Any]) -> str:
     return f"{size['median_bytes']:.0f} ({size['low']}..{size['high']})"
 
 
+def _replaced(run: dict[str, Any]) -> str:
+    """A warning where a pool process was replaced mid-run: its growth was not measured, so a
+    small figure proves nothing."""
+    if run.get("pool_processes_unchanged", True):
+        return ""
+    return " (a pool process was replaced during the run: not measured)"
+
+
 def memory_tables(result: dict[str, Any]) -> str:
     """RSS growth per process over the run, and the lock store's contents afterwards."""
     rows = []
@@ -224,7 +232,7 @@ def memory_tables(result: dict[str, Any]) -> str:
                 f"{last['tasks']:,}",
                 " / ".join(f"{(k or 0) / 1024:.1f}" for k in first["pool_kib"]),
                 " / ".join(f"{(k or 0) / 1024:.1f}" for k in last["pool_kib"]),
-                " / ".join(f"{g:+d}" for g in run["pool_growth_kib"]),
+                " / ".join(f"{g:+d}" for g in run["pool_growth_kib"]) + _replaced(run),
                 " / ".join(f"{g:+d}" for g in run["pool_growth_second_half_kib"]),
                 f"{run['main_growth_kib']:+d}",
                 f"{first['lock_store_clients']} → {last['lock_store_clients']}",
@@ -364,7 +372,7 @@ def headline(results: dict[str, Any]) -> list[str]:
         run = memory["runs"]["celery-lock"]
         lines.append(
             f"memory: pool RSS growth over {run['checkpoints'][-1]['tasks']:,} locked tasks "
-            f"{run['pool_growth_kib']} KiB; store: {memory['store']['keys']}, "
+            f"{run['pool_growth_kib']} KiB{_replaced(run)}; store: {memory['store']['keys']}, "
             f"{memory['store']['keys_without_ttl']} without TTL"
         )
     return lines

@@ -271,3 +271,13 @@ def test_a_kept_run_is_printed_and_plotted_again(
     assert "## End to end" in printed
     assert "celery-singleton" in printed
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_memory_growth_is_not_shown_as_flat_when_a_pool_process_was_replaced() -> None:
+    kept = json.loads(
+        (ROOT / "docs" / "benchmarks" / "runs" / "20261122-010532-full.json").read_text()
+    )
+    assert "replaced" not in report.memory_tables(kept["memory"])
+    kept["memory"]["runs"]["celery-lock"]["pool_processes_unchanged"] = False
+    assert "replaced during the run: not measured" in report.memory_tables(kept["memory"])
+    assert any("not measured" in line for line in report.headline(kept))
