@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from .config import LockSettings
+from .config import LockSettings, conf_value
 from .store import LockStore
 
 __all__ = ["misnamed_settings", "settings_warnings", "store_warnings", "warn_at_startup"]
@@ -66,7 +66,7 @@ def misnamed_settings(conf: Mapping[str, Any]) -> list[str]:
     found = []
     for setting in LockSettings.setting_names():
         stripped, upper = setting.removeprefix("celery_"), setting.upper()
-        if conf.get(stripped) is not None and conf.get(setting) is None and conf.get(upper) is None:
+        if conf.get(stripped) is not None and conf_value(conf, setting)[0] is None:
             found.append(
                 f"app.conf has {stripped} but no {setting}, and nothing reads {stripped}: write "
                 f"{setting} or {upper} (in Django settings loaded with namespace='CELERY', "

@@ -272,9 +272,20 @@ class RequestKeys:
         tag = f"{head}{request_key}}}"
         return cls(lock=f"{tag}:lock", fence=f"{tag}:fence", done=f"{tag}{done}")
 
+    @classmethod
+    def of_lock(cls, lock_key: str, task_name: str) -> RequestKeys:
+        """The keys of the request whose lock key is ``lock_key`` (as a skip marker or a log
+        names it), with ``task_name``'s done-marker."""
+        tag = lock_key.removesuffix(":lock")
+        return cls(lock=lock_key, fence=f"{tag}:fence", done=f"{tag}{_done_suffix(task_name)}")
+
 
 @lru_cache(maxsize=1024)
 def _layout(prefix: str, scope: str, task_name: str) -> tuple[str, str]:
     """What the keys of every request of one task share: ``"<prefix>:{<scope>:"`` and
     ``":done:<task name>"`` (made safe once, not per task)."""
-    return f"{prefix}:{{{safe_key_part(scope)}:", f":done:{safe_key_part(task_name)}"
+    return f"{prefix}:{{{safe_key_part(scope)}:", _done_suffix(task_name)
+
+
+def _done_suffix(task_name: str) -> str:
+    return f":done:{safe_key_part(task_name)}"

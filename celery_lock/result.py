@@ -21,7 +21,7 @@ from celery.states import PENDING
 
 from .config import LockSettings
 from .exceptions import CeleryLockError, ResultUnavailableError
-from .keys import safe_key_part
+from .keys import RequestKeys
 from .runtime import get_runtime
 from .states import SKIPPED
 from .store import LockStore
@@ -104,7 +104,7 @@ class _Holding:
         """
         if self._finished or not self.task_name:
             return self._finished
-        done_key = f"{self.lock_key.removesuffix(':lock')}:done:{safe_key_part(self.task_name)}"
+        done_key = RequestKeys.of_lock(self.lock_key, self.task_name).done
         try:
             if self._lock_store is None:
                 self._lock_store = self._store()

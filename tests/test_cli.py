@@ -45,6 +45,15 @@ def take(store: LockStore, request: int, task_id: str, task: str = "storm.proces
     return Lease(store, keys, token, 30_000, outcome.fence, holder)
 
 
+def done_then_held_by_the_next_stage(store: LockStore, request: int) -> Lease:
+    """Request ``request`` completed by ``storm.process`` (task-<request>) and now held by the
+    next stage, ``storm.next`` (task-<request + 1>); return the completed lease."""
+    lease = take(store, request, f"task-{request}")
+    store.release(lease, success=True, done_ttl_ms=60_000)
+    take(store, request, f"task-{request + 1}", task="storm.next")
+    return lease
+
+
 def test_ls_lists_held_leases_with_holder_worker_age_ttl_and_fence(
     worker_env: dict[str, str], store: LockStore
 ) -> None:
@@ -106,9 +115,7 @@ def test_ls_scans_past_one_batch(worker_env: dict[str, str], store: LockStore) -
 def test_show_reports_lease_fence_and_done_markers(
     worker_env: dict[str, str], store: LockStore
 ) -> None:
-    lease = take(store, 5, "task-5")
-    store.release(lease, success=True, done_ttl_ms=60_000)
-    take(store, 5, "task-6", task="storm.next")  # the next stage of the same request
+    done_then_held_by_the_next_stage(store, 5)
     done = celery_lock_cli(worker_env, "--json", "show", "storm.process:5")
     info = json.loads(done.stdout)
     assert info["lease"]["task_id"] == "task-6"
@@ -307,9 +314,7 @@ def test_forget_task_matches_the_task_name_as_the_done_marker_key_holds_it(
 def test_a_pasted_fence_or_done_marker_key_names_its_request(
     worker_env: dict[str, str], store: LockStore
 ) -> None:
-    lease = take(store, 6, "task-6")
-    store.release(lease, success=True, done_ttl_ms=60_000)
-    take(store, 6, "task-7", task="storm.next")  # the next stage of the same request
+    lease = done_then_held_by_the_next_stage(store, 6)
     for name in (lease.keys.fence, lease.keys.done):
         info = json.loads(celery_lock_cli(worker_env, "--json", "show", name).stdout)
         assert info["key"] == lease.keys.lock, name
