@@ -103,6 +103,35 @@ def load_average() -> list[float]:
         return []
 
 
+def source_tree() -> str | None:
+    """The commit of the checkout being measured, ``+`` marking uncommitted changes to its
+    tracked files; ``None`` outside a git checkout.
+
+    Runs of two versions of the code must not be pooled as one: the commit says which is which.
+    """
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        changes = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}+" if changes else commit
+
+
 def describe(redis_executable: str) -> dict[str, Any]:
     """Everything :mod:`bench.report` prints about the machine."""
     return {
@@ -115,5 +144,6 @@ def describe(redis_executable: str) -> dict[str, Any]:
         "redis_server": redis_server_version(redis_executable),
         "redis_server_path": redis_executable,
         "packages": package_versions(),
+        "commit": source_tree(),
         "load_at_start": load_average(),
     }

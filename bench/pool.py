@@ -5,9 +5,12 @@ so a goal such as "LockedTask keeps at least 0.95 of a plain task's throughput" 
 from the rounds of several runs on one machine: every round's ratio, paired within its round as
 every ratio in the bench is, then the median of them all and a 95% confidence interval of that
 median. The interval is distribution-free (two order statistics, chosen from the binomial
-distribution; nothing assumed about the noise), so it needs six rounds at least. Set against a
-goal, the interval says **met** (it lies above), **missed** (below) or **open** (it straddles the
-goal: more rounds could tell).
+distribution; nothing assumed about the noise), so it needs six rounds at least. Rounds of one
+run are not independent of each other, though (a run sees one state of the machine), so where
+the rounds come from two runs or more the interval is widened to take in a two-stage bootstrap
+over them: runs drawn with replacement, then rounds within each. Set against a goal, the
+interval says **met** (it lies above), **missed** (below) or **open** (it straddles the goal:
+more rounds, or more runs, could tell).
 
 Runs are pooled per machine and server (the CPU, its clock and the redis-server version the run
 recorded): the end-to-end section per worker size, and the lock cycle (celery-lock's against the
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 from collections import defaultdict
@@ -75,23 +79,41 @@ END_TO_END = ("end_to_end", "end_to_end_cpu")
 #: What :func:`_target` is told for the lock cycle's ratios.
 LOCK_CYCLE = "lockcycle"
 CONFIDENCE = 0.95
+#: Resamples of the bootstrap over runs; seeded, so that a table comes out the same every time.
+RESAMPLES = 2000
 
 
 @dataclass(frozen=True)
 class Pooled:
-    """The pooled rounds of one ratio: their median and the median's confidence interval."""
+    """The pooled rounds of one ratio, run by run: their median and the median's confidence
+    interval."""
 
-    ratios: tuple[float, ...]
+    #: Each run's rounds: the ratio of each.
+    runs: tuple[tuple[float, ...], ...]
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        """Every round's ratio, of every run."""
+        return tuple(ratio for run in self.runs for ratio in run)
 
     @property
     def median(self) -> float:
         """The median of every round's ratio."""
         return statistics.median(self.ratios)
 
-    @cached_property  # read by both cell() and verdict(): sorted once
+    @cached_property  # read by both cell() and verdict(): computed once
     def interval(self) -> tuple[float, float] | None:
-        """The median's 95% confidence interval; ``None`` below six rounds."""
-        return median_interval(self.ratios)
+        """The median's 95% confidence interval; ``None`` below six rounds.
+
+        The order statistics' interval, which takes the rounds as independent, widened where
+        the rounds come from several runs to take in the bootstrap over runs as well.
+        """
+        rounds = median_interval(self.ratios)
+        runs = [run for run in self.runs if run]
+        if rounds is None or len(runs) < 2:
+            return rounds
+        low, high = runs_bootstrap_interval(runs)
+        return min(rounds[0], low), max(rounds[1], high)
 
     def verdict(self, goal: float) -> str:
         """``met``, ``missed`` or ``open`` (the interval straddles ``goal``, or there is none)."""
@@ -135,6 +157,31 @@ def median_interval(
     return ordered[k - 1], ordered[n - k]
 
 
+def runs_bootstrap_interval(
+    runs: Sequence[Sequence[float]],
+    confidence: float = CONFIDENCE,
+    resamples: int = RESAMPLES,
+) -> tuple[float, float]:
+    """A percentile interval of the median of rounds grouped in runs, by a two-stage bootstrap:
+    draw as many runs as there are, with replacement, then as many rounds from each drawn run
+    as it has, with replacement; the median of each such draw; its quantiles.
+
+    Runs on one machine differ (one run's median 1.13, another's 0.96, on one VM), which an
+    interval over the pooled rounds alone would not see. With few runs the interval is coarse,
+    and still too narrow if the runs themselves share a state of the machine.
+    """
+    draw = random.Random(0)  # the same table from the same runs, every time
+    medians = []
+    for _ in range(resamples):
+        pooled: list[float] = []
+        for run in draw.choices(runs, k=len(runs)):
+            pooled.extend(draw.choices(run, k=len(run)))
+        medians.append(statistics.median(pooled))
+    medians.sort()
+    tail = (1 - confidence) / 2
+    return medians[int(tail * resamples)], medians[math.ceil((1 - tail) * resamples) - 1]
+
+
 def _target(pair: Pair, goal: float, metric: str) -> float | None:
     """What a ratio is held against: the goal for LockedTask / plain Task and for the lock cycle
     against the floor, 1 (ahead) for LockedTask / a peer end to end, nothing for the rest (shown
@@ -172,22 +219,33 @@ def _setup(results: dict[str, Any]) -> str:
     return f"{machine_name(machine)}, redis-server {server}" if server else machine_name(machine)
 
 
-def _as_pooled(by_pair: dict[Pair, list[float]]) -> dict[Pair, Pooled]:
-    return {pair: Pooled(tuple(values)) for pair, values in by_pair.items() if values}
+def _as_pooled(by_pair: dict[Pair, list[tuple[float, ...]]]) -> dict[Pair, Pooled]:
+    return {pair: Pooled(tuple(runs)) for pair, runs in by_pair.items() if any(runs)}
+
+
+def commits(runs: Iterable[dict[str, Any]]) -> dict[str, list[str]]:
+    """Machine -> the celery-lock commits its runs measured (``+``: with uncommitted changes),
+    in the order first seen; runs that recorded none (made before runs did) are left out."""
+    seen: dict[str, list[str]] = defaultdict(list)
+    for results in runs:
+        commit = results.get("machine", {}).get("commit")
+        if commit and commit not in seen[_setup(results)]:
+            seen[_setup(results)].append(commit)
+    return dict(seen)
 
 
 def pool(
     runs: Iterable[dict[str, Any]], metric: str = "worker"
 ) -> dict[str, dict[str, dict[Pair, Pooled]]]:
     """Machine -> worker size -> ratio -> the rounds of every run on that machine."""
-    rounds: dict[str, dict[str, dict[Pair, list[float]]]] = defaultdict(
+    rounds: dict[str, dict[str, dict[Pair, list[tuple[float, ...]]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(list))
     )
     for results in runs:
         by_size = rounds[_setup(results)]
         for size, ratios in round_ratios(results, metric).items():
             for pair, values in ratios.items():
-                by_size[size][pair].extend(values)
+                by_size[size][pair].append(tuple(values))
     return {
         machine: {
             size: _as_pooled(by_pair)
@@ -199,12 +257,12 @@ def pool(
 
 def pool_lock_cycles(runs: Iterable[dict[str, Any]]) -> dict[str, dict[Pair, Pooled]]:
     """Machine -> ratio of :data:`CYCLE_RATIOS` -> the lock cycle rounds of every run on it."""
-    rounds: dict[str, dict[Pair, list[float]]] = defaultdict(lambda: defaultdict(list))
+    rounds: dict[str, dict[Pair, list[tuple[float, ...]]]] = defaultdict(lambda: defaultdict(list))
     for results in runs:
         by_pair = rounds[_setup(results)]
         contenders = results.get("lockcycle", {}).get("contenders", {})
         for pair, values in _paired(contenders, CYCLE_RATIOS, lambda c: c["samples"]).items():
-            by_pair[pair].extend(values)
+            by_pair[pair].append(tuple(values))
     return {machine: _as_pooled(by_pair) for machine, by_pair in rounds.items()}
 
 
@@ -215,13 +273,14 @@ def _table(
     goal: float,
     metric: str,
 ) -> str:
-    """A Markdown table: a row per key of ``rows``, with its count of rounds, and a column per
-    ratio that any row has."""
+    """A Markdown table: a row per key of ``rows``, with its count of rounds and of the runs
+    they came from, and a column per ratio that any row has."""
     pairs = [pair for pair in ratios if any(pair in by_pair for by_pair in rows.values())]
     cells = [
         [
             label,
             max(len(p.ratios) for p in by_pair.values()),
+            max(sum(1 for run in p.runs if run) for p in by_pair.values()),
             *(
                 by_pair[pair].cell(_target(pair, goal, metric)) if pair in by_pair else "-"
                 for pair in pairs
@@ -229,21 +288,44 @@ def _table(
         ]
         for label, by_pair in rows.items()
     ]
-    return table([first, "rounds", *(f"{SHORT[a]} / {SHORT[b]}" for a, b in pairs)], cells)
+    labels = [f"{SHORT[a]} / {SHORT[b]}" for a, b in pairs]
+    return table([first, "rounds", "runs", *labels], cells)
 
 
-def render_lock_cycles(pooled: dict[str, dict[Pair, Pooled]], goal: float, runs: int) -> str:
+def _measured(machine: str, versions: dict[str, list[str]]) -> str:
+    """Which versions of celery-lock a machine's runs measured, when they recorded it."""
+    found = versions.get(machine)
+    if not found:
+        return ""
+    several = " (different versions of the code, pooled as one)" if len(found) > 1 else ""
+    return f"\n\ncelery-lock at {', '.join(found)}{several}"
+
+
+def render_lock_cycles(
+    pooled: dict[str, dict[Pair, Pooled]],
+    goal: float,
+    runs: int,
+    versions: dict[str, list[str]] | None = None,
+) -> str:
     """A Markdown table: a row per machine, a column per ratio of the lock cycle."""
     heading = f"lock cycles per second, {runs} runs pooled:"
-    return f"{heading}\n\n{_table('machine', pooled, CYCLE_RATIOS, goal, LOCK_CYCLE)}"
+    measured = "".join(
+        _measured(machine, versions or {}).replace("\n\n", f"\n\n{machine}: ") for machine in pooled
+    )
+    return f"{heading}\n\n{_table('machine', pooled, CYCLE_RATIOS, goal, LOCK_CYCLE)}{measured}"
 
 
 def render(
-    pooled: dict[str, dict[str, dict[Pair, Pooled]]], goal: float, metric: str, runs: int
+    pooled: dict[str, dict[str, dict[Pair, Pooled]]],
+    goal: float,
+    metric: str,
+    runs: int,
+    versions: dict[str, list[str]] | None = None,
 ) -> str:
     """One Markdown table per machine: a row per worker size, a column per ratio."""
     sections = [
         f"{machine}:\n\n{_table('processes', by_size, RATIOS, goal, metric)}"
+        f"{_measured(machine, versions or {})}"
         for machine, by_size in pooled.items()
     ]
     heading = (
@@ -286,9 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     shown = []
     if with_endtoend:
         pooled = pool(with_endtoend, args.metric)
-        shown.append(render(pooled, args.goal, args.metric, len(with_endtoend)))
+        versions = commits(with_endtoend)
+        shown.append(render(pooled, args.goal, args.metric, len(with_endtoend), versions))
     if with_cycles:
-        shown.append(render_lock_cycles(pool_lock_cycles(with_cycles), args.goal, len(with_cycles)))
+        cycles = pool_lock_cycles(with_cycles)
+        shown.append(render_lock_cycles(cycles, args.goal, len(with_cycles), commits(with_cycles)))
     print("\n\n".join(shown))
     return 0
 

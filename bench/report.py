@@ -74,6 +74,8 @@ def machine_table(machine: dict[str, Any]) -> str:
         ("load average at end", "/".join(map(str, machine.get("load_at_end", [])))),
         ("packages", packages),
     ]
+    if machine.get("commit"):
+        rows.append(("celery-lock commit", machine["commit"]))
     if machine.get("note"):
         rows.append(("note", machine["note"]))
     return table(["machine", ""], rows)

@@ -220,12 +220,29 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (0 once it is gone)."""
+    """User + system CPU seconds of ``pid``, every thread's, exited ones included (0 once it
+    is gone).
+
+    Read from the process's own CPU clock, in nanoseconds: ``/proc/<pid>/stat`` counts in
+    ticks of 10 ms, coarse against the tens of microseconds per task that tell contenders
+    apart (a drain of a few thousand tasks took 4 to 6 ticks of difference). Linux names the
+    clock of another process ``~pid << 3 | 2`` (``CPUCLOCK_SCHED``, what
+    ``clock_getcpuclockid`` returns), readable for any process one can see.
+    """
+    try:
+        return time.clock_gettime(_process_clock(pid))
+    except OSError:  # gone (EINVAL), or a kernel without such clocks: ticks, then
+        pass
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         return (int(fields[11]) + int(fields[12])) / _TICKS
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def _process_clock(pid: int) -> int:
+    """The clock id of ``pid``'s CPU time (the kernel's ``MAKE_PROCESS_CPUCLOCK``)."""
+    return (~pid << 3) | 2
 
 
 def rss_kib(pid: int) -> int | None:

@@ -53,6 +53,15 @@ def test_quick_bench_runs_every_section_and_writes_results(tmp_path: Path) -> No
     assert {"machine", "lockcycle", "endtoend", "storm", "memory"} <= results.keys()
     assert results["machine"]["redis_server"]
     assert results["machine"]["redis_server_path"] == str(server)
+    if (ROOT / ".git").exists():  # the run says which version of the code it measured
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert results["machine"]["commit"].rstrip("+") == head
     storm = results["storm"]
     assert storm["executions"] == [storm["options"]["requests"]] * storm["options"]["rounds"]
     store = results["memory"]["store"]
@@ -281,3 +290,36 @@ def test_memory_growth_is_not_shown_as_flat_when_a_pool_process_was_replaced() -
     kept["memory"]["runs"]["celery-lock"]["pool_processes_unchanged"] = False
     assert "replaced during the run: not measured" in report.memory_tables(kept["memory"])
     assert any("not measured" in line for line in report.headline(kept))
+
+
+def test_cpu_is_read_finer_than_the_kernels_ticks() -> None:
+    # A child spins a few odd milliseconds at a time and reports its own CPU clock after each
+    # spin; the bench's reading from outside must agree to well under a tick (10 ms). Read in
+    # ticks, three readings in a row would each be off by up to a tick.
+    from bench.workers import cpu_seconds  # noqa: PLC0415 - bench is a directory of the repository
+
+    spin = (
+        "import sys, time\n"
+        "for ms in (13, 27, 41):\n"
+        "    end = time.process_time() + ms / 1000\n"
+        "    while time.process_time() < end:\n"
+        "        pass\n"
+        "    print(time.process_time(), flush=True)\n"
+        "    sys.stdin.readline()\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as child:
+        assert child.stdin is not None
+        assert child.stdout is not None
+        try:
+            for _ in range(3):
+                own = float(child.stdout.readline())
+                outside = cpu_seconds(child.pid)
+                assert own <= outside < own + 0.002, (own, outside)
+                child.stdin.write("\n")
+                child.stdin.flush()
+            assert child.wait(timeout=30) == 0
+        finally:
+            child.kill()
+    assert cpu_seconds(child.pid) == 0.0  # gone

@@ -37,10 +37,29 @@ def test_median_interval_takes_the_order_statistics_of_the_binomial_tables(
 
 
 def test_a_verdict_needs_the_whole_interval_on_one_side_of_the_goal() -> None:
-    assert Pooled((0.96, 0.97, 0.98, 0.99, 1.0, 1.01)).verdict(0.95) == "met"
-    assert Pooled((0.90, 0.91, 0.92, 0.93, 0.94, 0.949)).verdict(0.95) == "missed"
-    assert Pooled((0.90, 0.91, 0.96, 0.97, 0.98, 0.99)).verdict(0.95) == "open"
-    assert Pooled((0.99, 0.99, 0.99)).verdict(0.95) == "open"  # too few rounds for an interval
+    assert Pooled(((0.96, 0.97, 0.98, 0.99, 1.0, 1.01),)).verdict(0.95) == "met"
+    assert Pooled(((0.90, 0.91, 0.92, 0.93, 0.94, 0.949),)).verdict(0.95) == "missed"
+    assert Pooled(((0.90, 0.91, 0.96, 0.97, 0.98, 0.99),)).verdict(0.95) == "open"
+    assert Pooled(((0.99, 0.99, 0.99),)).verdict(0.95) == "open"  # too few rounds for an interval
+
+
+def test_one_run_at_odds_with_the_others_keeps_the_verdict_open() -> None:
+    # Taken as 60 independent rounds, two runs at 0.96 outvote one at 0.90, and the median's
+    # interval lies wholly at 0.96. But a third of the runs disagree: drawing runs again
+    # brings the 0.90 run in twice often enough for the interval to reach it.
+    agreeing = tuple(0.96 + i * 1e-4 for i in range(20))
+    at_odds = tuple(0.90 + i * 1e-4 for i in range(20))
+    assert Pooled((agreeing + agreeing + at_odds,)).verdict(0.95) == "met"  # one run of 60
+    pooled = Pooled((agreeing, agreeing, at_odds))
+    assert pooled.verdict(0.95) == "open"
+    assert pooled.interval is not None
+    assert pooled.interval[0] < 0.91
+    assert pooled.median == Pooled((agreeing + agreeing + at_odds,)).median
+
+
+def test_runs_that_agree_keep_the_rounds_interval() -> None:
+    run = (0.96, 0.97, 0.98, 0.99, 1.0, 1.01, 0.97, 0.98)
+    assert Pooled((run, run, run)).interval == median_interval(run * 3)
 
 
 def _run(
@@ -61,6 +80,7 @@ def test_rounds_are_paired_within_a_run_and_pooled_per_machine() -> None:
     assert set(pooled) == {"A", "B"}
     ratios = pooled["A"]["2"][LOCKED, PLAIN].ratios
     assert ratios == pytest.approx([0.9] * 6)
+    assert [len(run) for run in pooled["A"]["2"][LOCKED, PLAIN].runs] == [3, 3]
     assert pooled["A"]["2"][LOCKED, FLOOR].ratios == pytest.approx([90 / 95] * 3)
     assert pooled["B"]["2"][LOCKED, PLAIN].ratios == pytest.approx([0.5, 0.5])
 
@@ -98,7 +118,27 @@ def test_the_command_prints_a_verdict_per_worker_size(
     out = capsys.readouterr().out
     assert "worker rate, 2 runs pooled" in out
     assert "AMD EPYC" in out
-    assert "| 2 | 6 | 0.975 [0.96, 0.99] met |" in " ".join(out.split())
+    assert "| 2 | 6 | 2 | 0.975 [0.96, 0.99] met |" in " ".join(out.split())
+
+
+def test_the_command_says_when_runs_measured_different_versions_of_the_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = []
+    for number, commit in enumerate(("aaa111", "bbb222", "bbb222", None)):
+        run = _run("AMD EPYC", {PLAIN: [100.0] * 3, LOCKED: [97.0, 98.0, 99.0]})
+        if commit:
+            run["machine"]["commit"] = commit
+        path = tmp_path / f"run{number}.json"
+        path.write_text(json.dumps(run))
+        files.append(str(path))
+    assert main(files) == 0
+    out = capsys.readouterr().out
+    assert "celery-lock at aaa111, bbb222 (different versions of the code, pooled as one)" in out
+    assert main(files[1:]) == 0
+    out = capsys.readouterr().out
+    assert "celery-lock at bbb222\n" in out
+    assert "different versions" not in out
 
 
 def _cycles(cpu: str, rates: dict[str, list[float]]) -> dict[str, Any]:
@@ -123,7 +163,7 @@ def test_lock_cycles_are_pooled_per_machine_and_held_against_the_goal(
     assert main(files) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "lock cycles per second, 2 runs pooled" in out
-    assert "| A | 6 | 0.700 [0.70, 0.70] missed |" in out
+    assert "| A | 6 | 2 | 0.700 [0.70, 0.70] missed |" in out
 
 
 def test_the_command_refuses_runs_without_a_section_it_pools(
