@@ -30,17 +30,29 @@ __all__ = ["misnamed_settings", "settings_warnings", "store_warnings", "warn_at_
 
 logger = logging.getLogger(__name__)
 
-#: Kombu's default visibility timeout for the Redis and SQS transports (one hour).
+#: Kombu's default visibility timeout for the Redis transports (one hour).
 DEFAULT_VISIBILITY_TIMEOUT = 3600.0
-_VISIBILITY_TRANSPORTS = ("redis", "rediss", "sqs")
+# The kombu transports that redeliver an unacked message after ``visibility_timeout``, by the
+# broker URL's scheme (kombu's aliases, lower-cased), with kombu's default for each: Redis and
+# Sentinel (kombu.transport.redis: one hour), SQS, SoftLayer MQ and pgmq (30 minutes).
+_VISIBILITY_TRANSPORTS = {
+    "redis": DEFAULT_VISIBILITY_TIMEOUT,
+    "rediss": DEFAULT_VISIBILITY_TIMEOUT,
+    "sentinel": DEFAULT_VISIBILITY_TIMEOUT,
+    "sqs": 1800.0,
+    "slmq": 1800.0,
+    "pgmq": 1800.0,
+}
 
 
 def _visibility_timeout(app: Celery) -> float | None:
     broker = str(app.conf.broker_url or "")
-    if broker.split("://", 1)[0] not in _VISIBILITY_TRANSPORTS:
+    default = _VISIBILITY_TRANSPORTS.get(broker.split("://", 1)[0].lower())
+    if default is None:
         return None
     options = app.conf.broker_transport_options or {}
-    return float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
+    configured = options.get("visibility_timeout")
+    return default if configured is None else float(configured)
 
 
 def settings_warnings(app: Celery, name: str, settings: LockSettings) -> list[str]:
@@ -91,7 +103,15 @@ def store_warnings(store: LockStore) -> list[str]:
 
 
 def warn_at_startup(app: Celery, stores: dict[str, LockStore]) -> list[str]:
-    """Log a warning for every contradiction found in the app's lock settings and stores."""
+    """Log a warning for every contradiction found in the app's lock settings and stores.
+
+    Args:
+        app: the app whose ``app.conf`` and registered ``LockedTask`` settings are checked.
+        stores: the lock stores to check for eviction, by URL.
+
+    Returns:
+        The warnings, as logged.
+    """
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 
     found: list[str] = misnamed_settings(app.conf)

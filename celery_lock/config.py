@@ -14,10 +14,13 @@ from functools import cached_property
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
+from redis import connection
+
 from .exceptions import ConfigurationError
 
 __all__ = [
     "DUPLICATE_POLICIES",
+    "MAX_SECONDS",
     "LockSettings",
     "check_value",
     "conf_value",
@@ -28,22 +31,35 @@ OnDuplicate = Literal["skip", "retry", "raise"]
 DUPLICATE_POLICIES: tuple[OnDuplicate, ...] = ("skip", "retry", "raise")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
 
+#: The longest TTL or interval a setting accepts: ten years, in seconds. Redis's Lua writes a
+#: number of 1e14 or more in scientific notation, which PEXPIRE refuses, and doubles are exact
+#: only up to 2**53; ten years (some 3.2e11 ms) is far below both, and above any real need.
+MAX_SECONDS = 10 * 365 * 24 * 3600.0
+
+# redis-py's own URL parser (what Redis.from_url runs), typed: redis-py leaves it unannotated.
+_parse_redis_url: Callable[[str], dict[str, Any]] = connection.parse_url
+
 
 def validate_redis_url(setting: str, url: str) -> str:
-    """Return ``url`` if redis-py can connect with it, else raise :class:`ConfigurationError`."""
+    """Return ``url`` if redis-py can connect with it, else raise :class:`ConfigurationError`.
+
+    The URL is parsed as ``redis.Redis.from_url`` parses it, so what passes here does not fail
+    there: ``redis://`` and ``redis:///0`` are localhost, and a query argument redis-py cannot
+    read (``?socket_timeout=abc``) is refused here instead of when the first task connects.
+    """
     if not isinstance(url, str) or not url:
         raise ConfigurationError(setting, f"expected a redis:// URL, got {url!r}")
-    parts = urlsplit(url)
-    if parts.scheme not in _REDIS_SCHEMES:
+    scheme = urlsplit(url).scheme
+    if scheme not in _REDIS_SCHEMES:
         raise ConfigurationError(
-            setting, f"expected a redis://, rediss:// or unix:// URL, got scheme {parts.scheme!r}"
+            setting, f"expected a redis://, rediss:// or unix:// URL, got scheme {scheme!r}"
         )
     try:
-        parts.port  # noqa: B018 - raises ValueError for a malformed port
-    except ValueError as exc:
+        options = _parse_redis_url(url)
+    except ValueError as exc:  # never the URL itself in the message: it may hold a password
         raise ConfigurationError(setting, f"malformed URL: {exc}") from exc
-    if parts.scheme != "unix" and not parts.hostname:
-        raise ConfigurationError(setting, "the URL names no host")
+    if scheme == "unix" and not options.get("path"):
+        raise ConfigurationError(setting, "the unix:// URL names no socket path")
     return url
 
 
@@ -66,6 +82,10 @@ def _positive_seconds(setting: str, value: Any) -> float:
             raise ConfigurationError(setting, f"expected seconds, got {value!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise ConfigurationError(setting, f"must be a positive number of seconds, got {value!r}")
+    if value > MAX_SECONDS:
+        raise ConfigurationError(
+            setting, f"must be at most {MAX_SECONDS:.0f} seconds (ten years), got {value!r}"
+        )
     return float(value)
 
 

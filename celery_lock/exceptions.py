@@ -13,7 +13,8 @@ Every error the library raises on purpose derives from :class:`CeleryLockError`:
     ├── LockContendedError        the request is held and an eager or direct call cannot defer
     ├── LockLostError             the lease of a running task expired or was taken over
     ├── ResultUnavailableError    follow(): a finished holder's result is not in the backend
-    └── StaleFenceError           a fenced write carried a fence below the store's
+    └── StaleFenceError           a fenced write carried a fence below the store's, or found
+                                  no record to update
 """
 
 from __future__ import annotations
@@ -66,11 +67,21 @@ class LockKeyError(CeleryLockError, ValueError):
 
     Raised at class creation when ``lock_key`` names no argument of the task, and at publish
     or call time when a call lacks the arguments the key is made of.
+
+    Args:
+        message: what is wrong with the key or the call.
+        task_name: the task whose key it is, when known.
     """
 
-    def __init__(self, message: str, *, task_name: str | None = None) -> None:
-        super().__init__(f"{task_name}: {message}" if task_name else message)
+    # ``task_name`` is positional too, and kept in ``args``: a JSON result backend rebuilds an
+    # error as ``cls(*args)``, so an attribute kept only by keyword would come back ``None``.
+    def __init__(self, message: str, task_name: str | None = None) -> None:
+        super().__init__(message, task_name)
         self.task_name = task_name
+
+    def __str__(self) -> str:
+        message = str(self.args[0])
+        return f"{self.task_name}: {message}" if self.task_name else message
 
 
 class LockStoreError(CeleryLockError):
@@ -79,11 +90,20 @@ class LockStoreError(CeleryLockError):
     wrong user or password (``WRONGPASS``, ``NOAUTH``).
 
     A task meeting one fails: trying again later would not help.
+
+    Args:
+        message: what the store answered, or what failed.
+        lock_name: the lock's Redis key, when the error is about one request.
     """
 
-    def __init__(self, message: str, *, lock_name: str | None = None) -> None:
-        super().__init__(f"{message} (lock {lock_name})" if lock_name else message)
+    # Positional too, and kept in ``args``, for the reason given at LockKeyError.
+    def __init__(self, message: str, lock_name: str | None = None) -> None:
+        super().__init__(message, lock_name)
         self.lock_name = lock_name
+
+    def __str__(self) -> str:
+        message = str(self.args[0])
+        return f"{message} (lock {self.lock_name})" if self.lock_name else message
 
 
 class LockStoreUnavailableError(LockStoreError):
@@ -102,12 +122,16 @@ class LockStateError(LockStoreError):
 
     Trying again cannot help, and running unlocked is not safe: a task meeting one fails
     (even with ``celery_lock_fail_open``). Delete or repair the key named by ``key``.
+
+    Args:
+        message: what the key holds instead.
+        lock_name: the lock's Redis key.
+        key: the key that holds the foreign value.
     """
 
-    def __init__(
-        self, message: str, *, lock_name: str | None = None, key: str | None = None
-    ) -> None:
-        super().__init__(message, lock_name=lock_name)
+    def __init__(self, message: str, lock_name: str | None = None, key: str | None = None) -> None:
+        super().__init__(message, lock_name)
+        self.args = (message, lock_name, key)  # all three, so ``cls(*args)`` rebuilds it
         self.key = key
 
 
@@ -150,9 +174,9 @@ class ResultUnavailableError(CeleryLockError, CeleryTimeoutError):
     """:func:`~celery_lock.follow` reached a holder whose result will not come.
 
     The holder completed the request (its done-marker names it), but its result did not reach
-    the result backend within ``follow``'s grace period: the task ignores its result, or the
-    result expired. A subclass of Celery's ``TimeoutError``, which is what ``follow`` raised
-    before it could tell.
+    the result backend within ``follow``'s grace period: the task ignores its result, the
+    result expired, or the holder died between completing and storing it. A subclass of
+    Celery's ``TimeoutError``, which is what ``follow`` raised before it could tell.
 
     Args:
         task_id: the holder's task id.
@@ -167,29 +191,40 @@ class ResultUnavailableError(CeleryLockError, CeleryTimeoutError):
     def __str__(self) -> str:
         return (
             f"task {self.task_id} completed {self.lock_name} but its result is not in the "
-            "result backend: it ignores results, or they expired"
+            "result backend: it ignores results, they expired, or it died before storing one"
         )
 
 
 class StaleFenceError(CeleryLockError):
-    """A write carried a fence smaller than one the store has already accepted.
+    """A fenced write was refused: it carried a fence smaller than one the store has already
+    accepted, or (``missing``) the record it was to update does not exist.
 
-    The writer's lease was lost and a later holder of the request has written since.
+    A smaller fence means the writer's lease was lost and a later holder of the request has
+    written since.
 
     Args:
         record: the record written to (a Redis key, or ``table:key`` for SQL).
         fence: the writer's fence.
         current: the stored fence that outranks it, when known.
+        missing: the record does not exist (:func:`~celery_lock.fenced_update` found no row).
 
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, record: str, fence: int, current: int | None = None) -> None:
-        super().__init__(record, fence, current)
+    def __init__(
+        self, record: str, fence: int, current: int | None = None, missing: bool = False
+    ) -> None:
+        super().__init__(record, fence, current, missing)
         self.record = record
         self.fence = fence
         self.current = current
+        self.missing = missing
 
     def __str__(self) -> str:
+        if self.missing:
+            return (
+                f"fenced write with fence {self.fence} refused: {self.record} does not exist "
+                "(insert rows before fenced updates)"
+            )
         stored = "a newer one" if self.current is None else str(self.current)
         return f"stale fence {self.fence} for {self.record}: the store holds {stored}"

@@ -56,6 +56,7 @@ write.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -80,6 +81,9 @@ __all__ = [
 
 #: The largest fence accepted: Lua compares numbers as doubles, exact up to 2**53.
 MAX_FENCE = 2**53
+# The longest record TTL, in milliseconds: above 2**53 the Lua script's tonumber() is no longer
+# exact, and far above it PEXPIRE refuses the value; 2**53 ms is some 285,000 years.
+_MAX_TTL_MS = 2**53
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PARAMSTYLES = ("qmark", "numeric", "named", "format", "pyformat")
@@ -167,13 +171,16 @@ class FencedRedis:
             StaleFenceError: the write was refused and ``raise_on_stale`` is set.
             TypeError: ``fence`` is not an int.
             ValueError: ``fence`` is negative or above :data:`MAX_FENCE`, or ``ttl`` is not
-                positive.
+                a positive, finite number of seconds (up to 2**53 milliseconds).
         """
         _check_fence(fence)
         ttl_ms = 0
         if ttl is not None:
-            if not ttl > 0:
-                raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+            # Checked before int(): int(inf) raises OverflowError, not the documented ValueError.
+            if not (ttl > 0 and math.isfinite(ttl) and ttl * 1000 <= _MAX_TTL_MS):
+                raise ValueError(
+                    f"ttl must be a positive number of seconds up to 2**53 ms, got {ttl!r}"
+                )
             ttl_ms = max(1, int(ttl * 1000))
         accepted, stored = self._script(keys=[key], args=[value, fence, ttl_ms])
         if accepted:
@@ -226,6 +233,8 @@ class _Cursor(Protocol):
     rowcount: int
 
     def execute(self, operation: str, parameters: Any = ..., /) -> Any: ...
+
+    def fetchone(self) -> Any: ...
 
     def close(self) -> Any: ...
 
@@ -306,9 +315,11 @@ def fenced_update(
         matched rows (MySQL: connect with ``CLIENT.FOUND_ROWS``).
 
     Raises:
-        StaleFenceError: nothing was updated and ``raise_on_stale`` is set.
+        StaleFenceError: nothing was updated and ``raise_on_stale`` is set; before raising, one
+            ``SELECT`` of the row's fence tells a larger fence (``current``) from a missing row
+            (``missing``).
         ValueError: a name is not a plain identifier, ``values`` is empty or names the key or
-            fence column, or the paramstyle is unknown.
+            fence column (in any letter case), or the paramstyle is unknown.
         TypeError: ``fence`` is not an int.
 
     .. versionadded:: 0.1.0
@@ -320,7 +331,9 @@ def fenced_update(
     if not values:
         raise ValueError("values must name at least one column to set")
     columns = [_identifier(column, "a column in values") for column in values]
-    if key_column in columns or fence_column in columns:
+    # Unquoted SQL names ignore case: "IDX" is the column "idx".
+    reserved = {key_column.casefold(), fence_column.casefold()}
+    if any(column.casefold() in reserved for column in columns):
         raise ValueError(f"values must not set {key_column!r} or {fence_column!r}")
     style = paramstyle or _paramstyle(conn)
     params = [*values.values(), fence, key, fence]
@@ -343,5 +356,36 @@ def fenced_update(
     finally:
         cursor.close()
     if not updated and raise_on_stale:
-        raise StaleFenceError(f"{table}:{key}", fence)
+        raise _refusal(conn, style, table, key_column, key, fence_column, fence)
     return updated
+
+
+def _refusal(
+    conn: _Connection,
+    style: str,
+    table: str,
+    key_column: str,
+    key: Any,
+    fence_column: str,
+    fence: int,
+) -> StaleFenceError:
+    """Why an update matched no row: a larger fence stored (and which), or no such row."""
+    [mark], named = _placeholders(style, 1)
+    cursor: _Cursor = conn.cursor()
+    try:
+        # As in the UPDATE, only validated identifiers and a placeholder are formatted in.
+        cursor.execute(
+            f"SELECT {fence_column} FROM {table} WHERE {key_column} = {mark}",
+            {"p0": key} if named else [key],
+        )
+        found = cursor.fetchone()
+    finally:
+        cursor.close()
+    record = f"{table}:{key}"
+    if found is None:
+        return StaleFenceError(record, fence, missing=True)
+    try:
+        current = int(found[0])
+    except (TypeError, ValueError):  # NULL (changed since the UPDATE) or not a number
+        current = None
+    return StaleFenceError(record, fence, current)

@@ -7,6 +7,11 @@
 * a callable taking the task's ``*args, **kwargs`` and returning ``str``, ``bytes`` or ``int``;
 * ``None`` (default): a stable digest of the task name and all bound arguments.
 
+An argument in a name or template key reads as itself (a ``str``), its decimal digits (an
+``int``), ``true``/``false`` (a ``bool``), its digest (``bytes``), or its canonical JSON (a
+``dict``, ``list``, ``tuple`` or ``set``: equal values give one key, whatever their order). An
+argument that is ``None`` is refused: every call missing the value would become one request.
+
 The Redis keys of one request share a hash tag, so every script runs on one Redis Cluster slot::
 
     <prefix>:{<scope>:<request key>}:lock
@@ -83,12 +88,20 @@ def _canonical(value: Any) -> Any:
     raise TypeError(f"cannot derive a stable key from a {type(value).__name__}")
 
 
+def _canonical_json(value: Any) -> str:
+    """``value`` as JSON text that is equal across processes for equal values: keys sorted, sets
+    ordered, tuples as the lists a worker receives.
+
+    Raises:
+        TypeError, ValueError: ``value`` holds something JSON cannot stand for.
+    """
+    return json.dumps(value, sort_keys=True, default=_canonical, separators=(",", ":"))
+
+
 def digest_arguments(task_name: str, arguments: Mapping[str, Any]) -> str:
     """A stable digest of a task name and its bound arguments (the default request key)."""
     try:
-        payload = json.dumps(
-            [task_name, arguments], sort_keys=True, default=_canonical, separators=(",", ":")
-        )
+        payload = _canonical_json([task_name, arguments])
     except (TypeError, ValueError) as exc:
         raise LockKeyError(
             f"the default lock_key needs JSON-like arguments ({exc}); set lock_key",
@@ -97,12 +110,37 @@ def digest_arguments(task_name: str, arguments: Mapping[str, Any]) -> str:
     return "args~" + hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
+#: Argument types that read as their canonical JSON in a name or template key: ``str()`` of
+#: them would depend on dict insertion order and set iteration order (which changes with
+#: the hash seed), and would tell a tuple at publish from the list the worker receives.
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+#: What a ``lock_key`` callable may return: anything else has no stable, meaningful text.
+_KEY_TYPES = (str, bytes, int)
+
+
 def _render(value: Any) -> str | bytes:
+    """How an argument (never ``None``) reads in a name or template key.
+
+    Raises:
+        TypeError, ValueError: a container holds something JSON cannot stand for, or the
+            value's only text is its memory address.
+    """
     if isinstance(value, (str, bytes)):
         return value
-    if isinstance(value, bool) or value is None:
+    if isinstance(value, bool):
         return json.dumps(value)
+    if isinstance(value, _CONTAINERS):
+        return _canonical_json(value)
+    kind: Any = type(value)
+    if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:
+        # Its text is its memory address: every call would be a request of its own, silently.
+        raise TypeError(f"a {kind.__name__} has no text of its own (give it __str__)")
     return str(value)
+
+
+def _describe(function: Callable[..., Any]) -> str:
+    """A callable's name for an error message (``key_of``, ``<lambda>``)."""
+    return getattr(function, "__qualname__", None) or repr(function)
 
 
 @dataclass(frozen=True)
@@ -129,15 +167,24 @@ class KeyDeriver:
         """Check ``spec`` against the task's parameters and return the deriver.
 
         Raises:
-            LockKeyError: ``spec`` names an argument (or template field) the task does not have.
+            LockKeyError: ``spec`` names an argument (or template field) the task does not have,
+                or the ``**kwargs`` parameter itself; the template is malformed.
         """
         deriver = cls(task_name, signature, spec)
         if isinstance(spec, str):
             missing = [name for name in deriver.fields() if name not in signature.parameters]
-            takes_kwargs = any(
-                p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+            var_keyword = next(
+                (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
             )
-            if missing and not takes_kwargs:
+            if var_keyword is not None and var_keyword in deriver.fields():
+                # Binding spreads **kwargs into the arguments it holds: its own name is never
+                # among them, so every call would fail at publish.
+                raise LockKeyError(
+                    f"lock_key {spec!r} names the **{var_keyword} parameter itself; name one "
+                    f"of the keyword arguments it collects instead",
+                    task_name=task_name,
+                )
+            if missing and var_keyword is None:
                 raise LockKeyError(
                     f"lock_key {spec!r} names {', '.join(map(repr, missing))}, which is not an "
                     f"argument of {task_name}{signature}",
@@ -167,9 +214,15 @@ class KeyDeriver:
                 f"lock_key template {self.spec!r} is malformed: {exc}", task_name=self.task_name
             ) from exc
         names = []
-        for _, template_field, _, _ in parsed:
+        for _, template_field, _, conversion in parsed:
             if template_field is None:
                 continue
+            if conversion not in (None, "r", "s", "a"):
+                raise LockKeyError(
+                    f"lock_key template {self.spec!r} is malformed: unknown conversion "
+                    f"!{conversion} (use !s, !r or !a)",
+                    task_name=self.task_name,
+                )
             root = re.split(r"[.\[]", template_field, maxsplit=1)[0]
             if not root or root.isdigit():
                 raise LockKeyError(
@@ -206,11 +259,13 @@ class KeyDeriver:
         """The request key of one call, always bounded and free of hash-tag braces.
 
         Raises:
-            LockKeyError: the call lacks an argument the key is made of.
+            LockKeyError: the call lacks an argument the key is made of, or one of them is
+                ``None`` or cannot be rendered; a callable ``lock_key`` raised, or returned
+                something other than ``str``, ``bytes`` or ``int``.
         """
         spec = self.spec
         if callable(spec):
-            return safe_key_part(_render(spec(*args, **kwargs)))
+            return safe_key_part(self._call_key_function(spec, args, kwargs))
         arguments = self.bind(args, kwargs)
         if spec is None:
             return digest_arguments(self.task_name, arguments)
@@ -220,8 +275,22 @@ class KeyDeriver:
                 f"the call has no argument {', '.join(map(repr, missing))} for lock_key {spec!r}",
                 task_name=self.task_name,
             )
+        for name in self._fields:
+            if arguments[name] is None:
+                # None would read as one fixed text: every call lacking the value would be one
+                # request, skipped as done for a day once the first succeeds.
+                raise LockKeyError(
+                    f"lock_key {spec!r} cannot be made of None, which the call passes for {name!r}",
+                    task_name=self.task_name,
+                )
         if "{" not in spec:
-            return safe_key_part(_render(arguments[spec]))
+            try:
+                return safe_key_part(_render(arguments[spec]))
+            except (TypeError, ValueError) as exc:
+                raise LockKeyError(
+                    f"cannot render lock_key {spec!r} from the call's arguments: {exc}",
+                    task_name=self.task_name,
+                ) from exc
         rendered = {name: _KeyField(arguments[name]) for name in self._fields}
         try:
             return safe_key_part(spec.format_map(rendered))
@@ -230,6 +299,26 @@ class KeyDeriver:
                 f"cannot render lock_key {spec!r} from the call's arguments: {exc!r}",
                 task_name=self.task_name,
             ) from exc
+
+    def _call_key_function(
+        self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> str | bytes:
+        """What a callable ``lock_key`` returns for a call, checked to be a request key."""
+        try:
+            key = function(*args, **kwargs)
+        except Exception as exc:
+            raise LockKeyError(
+                f"lock_key callable {_describe(function)} raised {exc!r}", task_name=self.task_name
+            ) from exc
+        # None and objects without a meaningful str() would turn every call into one request
+        # ("None") or each call into its own (a memory address): both silently.
+        if isinstance(key, bool) or not isinstance(key, _KEY_TYPES):
+            raise LockKeyError(
+                f"lock_key callable {_describe(function)} must return str, bytes or int, "
+                f"not {type(key).__name__}",
+                task_name=self.task_name,
+            )
+        return _render(key)
 
 
 class _KeyField:
@@ -242,7 +331,8 @@ class _KeyField:
         if format_spec:
             return format(self.value, format_spec)
         rendered = _render(self.value)
-        return rendered.hex() if isinstance(rendered, bytes) else rendered
+        # Bytes are digested, as a bytes key is: their hex would read as the hex string.
+        return safe_key_part(rendered) if isinstance(rendered, bytes) else rendered
 
     def __str__(self) -> str:  # ``{name!s}``: as ``{name}``, never the object's address
         return self.__format__("")

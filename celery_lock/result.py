@@ -10,6 +10,7 @@ that holds (or completed) its request::
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -17,16 +18,18 @@ import redis
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
-from celery.states import PENDING
 
 from .config import LockSettings
-from .exceptions import CeleryLockError, ResultUnavailableError
+from .exceptions import ConfigurationError, LockStoreUnavailableError, ResultUnavailableError
 from .keys import RequestKeys
 from .runtime import get_runtime
 from .states import SKIPPED
 from .store import LockStore
 
 __all__ = ["follow"]
+
+
+logger = logging.getLogger(__name__)
 
 
 def follow(
@@ -50,7 +53,12 @@ def follow(
     Raises:
         celery.exceptions.TimeoutError: nothing was ready within ``timeout``.
         celery_lock.ResultUnavailableError: the holder completed the request, but its result
-            did not reach the backend within ``grace`` (it ignores results, or they expired).
+            did not reach the backend within ``grace`` (it ignores results, they expired, or
+            it died before storing its result).
+
+    When this app cannot tell where the lock store is (no ``celery_lock_redis_url``, and a
+    broker that is not Redis), ``follow`` cannot read whether a holder completed: it logs a
+    warning once and waits for the holder's result, up to ``timeout``.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     current = result
@@ -62,9 +70,11 @@ def follow(
             if state == SKIPPED or current.ready():
                 break
             now = time.monotonic()
-            if holding is not None and state == PENDING:
-                # PENDING is also what a result that never comes looks like: one that a
-                # finished holder did not store (it ignores results) or that expired.
+            if holding is not None:
+                # A state that is not ready may never change: PENDING is what a result that a
+                # finished holder did not store (it ignores results), or that expired, looks
+                # like; and under task_track_started a holder killed after writing its
+                # done-marker but before storing its result stays STARTED for ever.
                 if finished_at is None and holding.finished():
                     finished_at = now
                 if finished_at is not None and now - finished_at >= grace:
@@ -94,6 +104,8 @@ class _Holding:
         # Skipped as done: the holder had finished before the copy was skipped.
         self._finished = skipped.get("reason") == "done"
         self._lock_store: LockStore | None = None
+        # This app cannot tell where the lock store is (found on the first try).
+        self._unreadable = False
 
     def finished(self) -> bool:
         """Whether the holder completed the request: its done-marker names it.
@@ -102,15 +114,29 @@ class _Holding:
         the scope is deferred, never skipped), so its done-marker is the copy's task's. A holder
         that died or failed writes none: its rerun, or its ``FAILURE``, is still to come.
         """
-        if self._finished or not self.task_name:
+        if self._finished or not self.task_name or self._unreadable:
             return self._finished
         done_key = RequestKeys.of_lock(self.lock_key, self.task_name).done
         try:
             if self._lock_store is None:
                 self._lock_store = self._store()
             done = self._lock_store.client.get(done_key)
-        except (redis.RedisError, CeleryLockError):
-            return False  # the store cannot tell: keep waiting, as for a running holder
+        except (redis.RedisError, LockStoreUnavailableError):
+            # The store cannot tell: keep waiting, as for a running holder.
+            return False
+        except ConfigurationError as exc:
+            # No lock store known here: a holder that stores its result is still followed,
+            # but one that completed without storing it would be waited for in silence.
+            logger.warning(
+                "celery-lock: follow() cannot tell whether task %s completed %s, so it waits "
+                "for its result (up to the timeout): %s; configure the lock store on the app "
+                "that calls follow(), as on the workers",
+                self.holder,
+                self.lock_key,
+                exc,
+            )
+            self._unreadable = True  # warned once; nothing to ask from now on
+            return False
         if isinstance(done, bytes):
             done = done.decode(errors="replace")
         self._finished = done == self.holder
@@ -118,7 +144,11 @@ class _Holding:
 
     def _store(self) -> LockStore:
         """The lock store of the skipped copy's task: its own settings when this app knows
-        the task, else the app's."""
+        the task, else the app's.
+
+        Raises:
+            ConfigurationError: this app cannot tell where the lock store is.
+        """
         runtime = get_runtime(self.app)
         task = self.app.tasks.get(self.task_name) if self.task_name else None
         options = getattr(task, "_lock_task_options", None)

@@ -31,11 +31,15 @@ __all__ = ["ACQUIRE", "EXTEND", "RELEASE", "Scripts"]
 #           @read/@write/@scripting can run this)
 # ARGV[4] - fence counter TTL in milliseconds: the counter is made to live at least that long
 #           (never shortened, as by EXTEND; 0 leaves it alone)
-# return <fence>                              -- granted (an integer reply)
+# return <fence>                              -- granted (an integer reply, below 2^53)
 #      | {"done", <task id that completed it>}
 #      | {"held", "<fence> <holder>", <pttl>}  -- the holder's token is never returned
 # Re-entrant: the same token is granted again (its TTL reset, fence unchanged), so an acquire
 # retried after a lost reply does not report HELD against itself.
+# Lua 5.1's numbers are doubles, written with 14 significant digits: concatenated, a fence of
+# 10^14 would read "1e+14", and passed to a command, a TTL of 10^17 ms "1e+17". So the fence is
+# written with %d (exact below 2^53, where a counter stops being one: refused) and TTLs are
+# passed on as the strings they came in as.
 ACQUIRE = """
 local done = redis.call('GET', KEYS[3])  -- GET, not MGET: MGET reads a key of another type
 if done then                             -- as nil, and garbage must not pass for "free"
@@ -51,14 +55,18 @@ if lock then
     return {'held', string.match(lock, '^%S* (.*)$') or lock, redis.call('PTTL', KEYS[1])}
 end
 local fence = redis.call('INCR', KEYS[2])
+if fence >= 9007199254740992 then
+    return redis.error_reply('ERR fence counter past 2^53')
+end
 local fence_ttl = tonumber(ARGV[4])
 if fence_ttl > 0 then  -- as EXTEND: never shortened (another task of the scope may want it
     local left = redis.call('PTTL', KEYS[2])  -- longer); -1 is a counter INCR just created
     if left < fence_ttl and (left >= 0 or fence == 1) then
-        redis.call('PEXPIRE', KEYS[2], fence_ttl)
+        redis.call('PEXPIRE', KEYS[2], ARGV[4])
     end
 end
-redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[3], 'PX', ARGV[2])
+local text = string.format('%d', fence)
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. text .. ' ' .. ARGV[3], 'PX', ARGV[2])
 return fence
 """
 
@@ -79,7 +87,7 @@ if lock and string.sub(lock, 1, #mine) == mine then
     if fence_ttl > 0 then
         local left = redis.call('PTTL', KEYS[2])  -- -2: no counter, -1: kept for ever
         if left >= 0 and left < fence_ttl then
-            redis.call('PEXPIRE', KEYS[2], fence_ttl)
+            redis.call('PEXPIRE', KEYS[2], ARGV[3])
         end
     end
     return 1

@@ -108,8 +108,9 @@ _TRANSIENT_REPLY_CLASSES = (
 # Redis < 7 wraps an error raised inside a script: "Error running script (call to f_...):
 # @user_script:6: WRONGTYPE Operation against ..." (sometimes with a second "@user_script: 6: -").
 _SCRIPT_ERROR = re.compile(r"@user_script:\s*\d+:\s*(?:@user_script:\s*\d+:\s*)?-?([A-Z]{2,})\b")
-# Integers a fence counter can hold: INCR fails on anything else, and at 2**63 - 1.
-_FENCE_MAX = 2**63 - 1
+# Integers a fence counter can hold: what a Lua number (a double) holds exactly, which the
+# acquire script checks (INCR itself would go on to 2**63 - 1).
+_FENCE_MAX = 2**53
 
 
 def reply_code(exc: redis.ResponseError) -> str:
@@ -124,6 +125,10 @@ def reply_code(exc: redis.ResponseError) -> str:
         return status
     first = text.split(" ", 1)[0]
     return first if first.isupper() and first.isalpha() else ""
+
+
+#: Error codes of a server that is no longer the primary: the address may now lead to another.
+_DEMOTED_CODES = frozenset({"READONLY", "MASTERDOWN"})
 
 
 def is_transient_reply(exc: redis.ResponseError) -> bool:
@@ -302,10 +307,28 @@ class LockStore:
                 reply = self._send("EVALSHA", script.sha, len(keys), *keys, *args)
         except redis.ResponseError as exc:
             if is_transient_reply(exc):
+                self._leave_if_demoted(exc)
                 raise TransientReplyError(str(exc)) from exc
             raise
         self._loaded.add(script.sha)
         return reply
+
+    def _leave_if_demoted(self, exc: redis.ResponseError) -> None:
+        """After ``READONLY`` or ``MASTERDOWN``, drop every connection to the server.
+
+        A failover demotes the old primary to a replica without closing its clients' connections
+        (Redis closes only blocked ones), and a replica answers the health check's ``PING``: the
+        held connection would go on asking the old node, every try and every task, until the
+        worker restarted. Reconnecting resolves the address again (a DNS name that moved with
+        the failover: ElastiCache, a Kubernetes Service), as redis-py's Sentinel connections do.
+        """
+        if isinstance(exc, (ReadOnlyError, MasterDownError)) or reply_code(exc) in _DEMOTED_CODES:
+            logger.warning(
+                "celery-lock: the lock store %s is no longer a primary (%s); reconnecting",
+                _address(self.client),
+                exc,
+            )
+            self.client.connection_pool.disconnect()  # the held connection included
 
     def _call(self, what: str, roles: dict[str, str], lock_name: str, fn: Callable[[], T]) -> T:
         started = _monotonic()
@@ -474,6 +497,7 @@ class LockStore:
                 replies = send()
             for reply in replies:
                 if isinstance(reply, redis.ResponseError) and is_transient_reply(reply):
+                    self._leave_if_demoted(reply)
                     raise TransientReplyError(str(reply)) from reply
             self._loaded.add(extend.sha)
             return replies

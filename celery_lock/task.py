@@ -57,6 +57,7 @@ from . import signals
 from .config import LockSettings
 from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event
 from .exceptions import (
+    ConfigurationError,
     DuplicateTaskError,
     LockContendedError,
     LockLostError,
@@ -127,6 +128,21 @@ def _run_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
     signature = inspect.signature(run)
     parameters = list(signature.parameters.values())[1:]
     return signature.replace(parameters=parameters)
+
+
+def _check_scope(task_name: str, scope: Any) -> None:
+    """Refuse a ``lock_scope`` that is neither ``None`` nor a non-empty string.
+
+    Checked when the class is created: otherwise every message would fail on the worker (a
+    number or a list), or an empty scope would quietly mean the task's own name.
+
+    Raises:
+        ConfigurationError: naming ``<task name>.lock_scope``.
+    """
+    if scope is not None and (not isinstance(scope, str) or not scope):
+        raise ConfigurationError(
+            f"{task_name}.lock_scope", f"must be a non-empty string or None, got {scope!r}"
+        )
 
 
 class LockedContext(Context):
@@ -201,6 +217,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             return
         name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__name__}"
         cls._lock_deriver = KeyDeriver.create(name, signature, spec)
+        _check_scope(name, cls.lock_scope)
         LockSettings.resolve({}, cls._lock_task_options(), name, check_together=False)
 
     @classmethod

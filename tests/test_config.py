@@ -3,14 +3,22 @@ and a :class:`ConfigurationError` naming the setting for every invalid value."""
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 
-from celery_lock import ConfigurationError, LockedTask, LockSettings
-from celery_lock.checks import misnamed_settings
+from celery_lock import ConfigurationError, LockedTask, LockSettings, checks, config
+from celery_lock.checks import misnamed_settings, settings_warnings
+from celery_lock.config import MAX_SECONDS
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.store import LockStore
 
 # One valid, non-default value per setting, and the value it resolves to.
 VALID = {
@@ -44,12 +52,16 @@ INVALID = [
     ("ttl", "abc"),
     ("ttl", True),
     ("ttl", [60]),
+    ("ttl", 1e100),
+    ("ttl", MAX_SECONDS + 1),
     ("heartbeat_interval", 0),
     ("heartbeat_interval", -5),
     ("on_duplicate", "maybe"),
     ("on_duplicate", "SKIP"),
     ("done_ttl", -1),
     ("done_ttl", 0),
+    ("done_ttl", 1e100),
+    ("done_ttl", "1e14"),
     ("key_prefix", "{locks}"),
     ("key_prefix", "locks}"),
     ("key_prefix", ""),
@@ -61,7 +73,9 @@ INVALID = [
     ("redis_url", "http://x"),
     ("redis_url", "redis://host:notaport"),
     ("redis_url", "redis://host:99999"),
-    ("redis_url", "redis://"),
+    ("redis_url", "redis://localhost:6379/0?socket_timeout=abc"),
+    ("redis_url", "redis://localhost/0?db=two"),
+    ("redis_url", "unix://"),
     ("redis_url", ""),
     ("redis_url", 6379),
 ]
@@ -128,9 +142,60 @@ def test_numeric_strings_are_seconds() -> None:
     assert LockSettings.resolve({"celery_lock_ttl": "12.5"}).ttl == 12.5
 
 
-@pytest.mark.parametrize("url", ["redis://h", "rediss://:pw@h:6380/1", "unix:///tmp/redis.sock"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h",
+        "rediss://:pw@h:6380/1",
+        "unix:///tmp/redis.sock",
+        "redis://",  # redis-py: localhost
+        "redis:///0",
+        "redis://h/0?socket_timeout=5",
+    ],
+)
 def test_redis_urls_redis_py_accepts_are_valid(url: str) -> None:
     assert LockSettings.resolve({"celery_lock_redis_url": url}).redis_url == url
+    redis.Redis.from_url(url).close()  # and redis-py does accept it
+
+
+def test_a_url_redis_py_cannot_read_is_a_configuration_error_not_a_value_error() -> None:
+    url = "redis://localhost:6379/0?socket_timeout=abc"
+    with pytest.raises(ValueError, match="socket_timeout"):  # what a task would meet unchecked
+        redis.Redis.from_url(url)
+    with pytest.raises(ConfigurationError, match=r"^celery_lock_redis_url: malformed URL: "):
+        LockSettings.resolve({"celery_lock_redis_url": url})
+
+
+@pytest.mark.parametrize("name", ["ttl", "heartbeat_interval", "done_ttl"])
+def test_a_duration_above_ten_years_is_refused_naming_the_bound(name: str) -> None:
+    setting = f"celery_lock_{name}"
+    with pytest.raises(ConfigurationError, match=r"at most 315360000 seconds \(ten years\)"):
+        LockSettings.resolve({setting: 1e100}, check_together=False)
+    settings = LockSettings.resolve({setting: MAX_SECONDS}, check_together=False)
+    assert getattr(settings, name) == MAX_SECONDS
+
+
+def test_the_longest_durations_are_ones_redis_accepts(lock_url: str) -> None:
+    """Lua writes 1e14 and above as ``1e+14``, which PEXPIRE refuses: the bound stays below."""
+    settings = LockSettings.resolve(
+        {"celery_lock_ttl": MAX_SECONDS, "celery_lock_done_ttl": MAX_SECONDS}
+    )
+    assert settings.fence_ttl_ms < 10**14
+    store = LockStore.from_url(lock_url)
+    try:
+        keys = RequestKeys.build("celery-lock", "config_tests.t", "7", "config_tests.t")
+        holder, token = Holder("id-1", "config_tests.t", "h", 1), new_token()
+        outcome = store.acquire(keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms)
+        assert isinstance(outcome, Acquired)
+        lease = Lease(
+            store, keys, token, settings.ttl_ms, outcome.fence, holder, settings.fence_ttl_ms
+        )
+        assert store.extend_all([lease]) == [True]
+        store.release(lease, success=True, done_ttl_ms=settings.done_ttl_ms)
+        assert store.client.pttl(keys.done) > settings.done_ttl_ms - 60_000
+        assert store.client.pttl(keys.fence) > settings.fence_ttl_ms - 60_000
+    finally:
+        store.client.close()
 
 
 @pytest.mark.parametrize(("name", "value"), INVALID, ids=INVALID_IDS)
@@ -241,6 +306,48 @@ def test_task_heartbeat_interval_is_checked_against_the_conf_ttl(app: Celery) ->
         pass
 
     assert long.lock_settings().interval == 120.0
+
+
+@pytest.mark.parametrize(
+    ("broker", "visibility"),
+    [
+        ("redis://h:6379/0", 3600),
+        ("rediss://h:6379/0", 3600),
+        ("sentinel://h:26379;sentinel://h2:26379", 3600),
+        ("sqs://", 1800),
+        ("SQS://", 1800),
+        ("slmq://", 1800),
+        ("pgmq://", 1800),
+    ],
+)
+def test_a_done_ttl_below_kombus_visibility_timeout_is_warned(broker: str, visibility: int) -> None:
+    app = Celery("config_tests", broker=broker, set_as_current=False)
+    below = LockSettings(done_ttl=visibility - 1)
+    [warning] = settings_warnings(app, "t", below)
+    assert f"visibility timeout ({visibility}s)" in warning
+    assert settings_warnings(app, "t", LockSettings(done_ttl=visibility)) == []
+    app.conf.broker_transport_options = {"visibility_timeout": 7200}
+    assert "(7200s)" in settings_warnings(app, "t", LockSettings(done_ttl=visibility))[0]
+
+
+@pytest.mark.parametrize("broker", ["amqp://guest@h//", "memory://", "filesystem://"])
+def test_no_visibility_warning_where_the_broker_has_no_visibility_timeout(broker: str) -> None:
+    app = Celery("config_tests", broker=broker, set_as_current=False)
+    assert settings_warnings(app, "t", LockSettings(done_ttl=1)) == []
+
+
+@pytest.mark.parametrize("module", [config, checks], ids=lambda m: m.__name__)
+def test_api_page_calls_list_the_real_parameters(module: Any) -> None:
+    """docs/api.md writes ``warn_at_startup(app, stores)``, not ``warn_at_startup(app)``."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    functions = [n for n in module.__all__ if inspect.isfunction(getattr(module, n))]
+    checked = 0
+    for name in functions:
+        real = list(inspect.signature(getattr(module, name)).parameters)
+        for documented in re.findall(rf"`{name}\(([^)]*)\)`", page):
+            assert [p.strip() for p in documented.split(",")] == real, f"api.md: {name}"
+            checked += 1
+    assert checked  # the page does show calls of this module's functions
 
 
 def test_a_setting_without_its_celery_prefix_is_named_with_the_one_to_write() -> None:

@@ -656,6 +656,33 @@ def test_acquire_and_release_reload_scripts_after_a_real_restart(
     assert admin.get(KEYS.done) == b"task-1"
 
 
+def test_after_a_failover_the_store_follows_its_address_to_the_new_primary(
+    lock_server: RedisServer, proxy: ReplyDropper, admin: redis.Redis, logs: Records
+) -> None:
+    """The store's address (a DNS name moved by the failover; here the proxy) leads to a new
+    primary, and the old one is demoted to its replica, which keeps its clients connected and
+    answers PING: the store must leave it, not defer every task until the worker restarts."""
+    store = LockStore.from_url(proxy.url)
+    with RedisServer() as promoted:
+        try:
+            old_token = new_token()
+            assert acquire(store, old_token) == Acquired(fence=1)
+            old_lease = Lease(store, KEYS, old_token, TTL_MS, 1, HOLDER)
+            assert store.extend_all([old_lease]) == [True]  # the heartbeat's connection, too
+            proxy.upstream_port = promoted.port  # new connections reach the new primary
+            admin.replicaof("127.0.0.1", promoted.port)
+            other = RequestKeys.build("celery-lock", "shop.process", "43", "shop.process")
+            assert acquire(store, new_token(), other) == Acquired(fence=1)
+            with contextlib.closing(promoted.client()) as new_primary:
+                assert new_primary.exists(other.lock) == 1
+            # The old lease is gone with the old primary's data: lost, not "unavailable".
+            assert store.extend_all([old_lease]) == [False]
+            assert logs.messages(logging.WARNING, "no longer a primary")
+        finally:
+            admin.replicaof("no", "one")
+            store.client.close()
+
+
 def test_heartbeat_pipeline_reloads_its_script_after_a_real_restart(
     lock_server: RedisServer, store: LockStore, admin: redis.Redis
 ) -> None:

@@ -6,6 +6,7 @@ may write twice), refused when it is smaller.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import sqlite3
@@ -100,7 +101,8 @@ def test_rejected_write_raises_when_asked(sink: redis.Redis) -> None:
     assert isinstance(error, CeleryLockError)
     assert (error.record, error.fence, error.current) == (KEY, 6, 7)
     assert str(error) == f"stale fence 6 for {KEY}: the store holds 7"
-    assert error.args == (KEY, 6, 7)  # rebuilt from a result backend as the same error
+    assert error.args == (KEY, 6, 7, False)  # rebuilt from a result backend as the same error
+    assert error.missing is False
 
 
 def test_ttl_sets_the_records_expiry(sink: redis.Redis) -> None:
@@ -108,6 +110,15 @@ def test_ttl_sets_the_records_expiry(sink: redis.Redis) -> None:
     assert 29_000 < sink.pttl(KEY) <= 30_000
     fenced_set(sink, "sink:no-ttl", "v", 1)
     assert sink.pttl("sink:no-ttl") == -1
+
+
+@pytest.mark.parametrize("ttl", [math.inf, -math.inf, math.nan, 0, -1, 1e300])
+def test_ttl_that_is_not_a_positive_finite_number_is_a_value_error(
+    sink: redis.Redis, ttl: float
+) -> None:
+    with pytest.raises(ValueError, match="ttl"):
+        fenced_set(sink, KEY, "v", 1, ttl=ttl)
+    assert not sink.exists(KEY)
 
 
 def test_missing_record_reads_as_none(sink: redis.Redis) -> None:
@@ -212,8 +223,25 @@ def test_sql_missing_row_is_not_updated(db: sqlite3.Connection) -> None:
 
 def test_sql_rejected_update_raises_when_asked(db: sqlite3.Connection) -> None:
     fenced_update(db, "orders", "id", 1, {"status": "newer"}, 5)
-    with pytest.raises(StaleFenceError, match="stale fence 4 for orders:1"):
+    with pytest.raises(StaleFenceError, match="stale fence 4 for orders:1") as caught:
         fenced_update(db, "orders", "id", 1, {"status": "stale"}, 4, raise_on_stale=True)
+    assert (caught.value.current, caught.value.missing) == (5, False)
+    assert str(caught.value) == "stale fence 4 for orders:1: the store holds 5"
+
+
+@pytest.mark.parametrize("paramstyle", [None, "named"])
+def test_sql_refused_update_of_a_missing_row_says_the_row_is_missing(
+    db: sqlite3.Connection, paramstyle: str | None
+) -> None:
+    with pytest.raises(StaleFenceError) as caught:
+        fenced_update(
+            db, "orders", "id", 99, {"status": "paid"}, 4,
+            paramstyle=paramstyle, raise_on_stale=True,
+        )  # fmt: skip
+    error = caught.value
+    assert (error.record, error.fence, error.current, error.missing) == ("orders:99", 4, None, True)
+    assert "orders:99 does not exist" in str(error)
+    assert "newer" not in str(error)
 
 
 def test_sql_update_runs_in_the_callers_transaction(db: sqlite3.Connection) -> None:
@@ -298,10 +326,22 @@ def test_sql_values_are_bound_not_spliced(db: sqlite3.Connection) -> None:
     assert row(db, 2) == ("new", None)
 
 
-@pytest.mark.parametrize("values", [{}, {"fence": 9}, {"id": 3, "status": "x"}])
+@pytest.mark.parametrize(
+    "values", [{}, {"fence": 9}, {"id": 3, "status": "x"}, {"ID": 3}, {"Fence": 9}]
+)
 def test_sql_values_must_set_other_columns(db: sqlite3.Connection, values: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="values"):
         fenced_update(db, "orders", "id", 1, values, 1)
+    assert row(db) == ("new", None)
+
+
+def test_sql_key_and_fence_columns_are_compared_in_any_case(db: sqlite3.Connection) -> None:
+    # SQL folds unquoted names: "IDX" would move the row to another key, "FENCE" fake a fence.
+    with pytest.raises(ValueError, match="values"):
+        fenced_update(db, "orders", "ID", 1, {"id": 9}, 1)
+    with pytest.raises(ValueError, match="values"):
+        fenced_update(db, "orders", "id", 1, {"status": "x", "FENCE": 99}, 1, fence_column="fence")
+    assert row(db) == ("new", None)
 
 
 def test_sql_concurrent_writers_with_random_fences_end_with_the_largest(tmp_path: Path) -> None:

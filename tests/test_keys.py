@@ -24,7 +24,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-from celery_lock import LockedTask, LockKeyError
+from celery_lock import ConfigurationError, LockedTask, LockKeyError
 from celery_lock.keys import (
     MAX_KEY_LENGTH,
     KeyDeriver,
@@ -56,6 +56,11 @@ def by_template(tenant: Any, request_idx: Any) -> Any:
 @app.task(name="keys_tests.by_kwargs", lock_key="{tenant}:{request_idx}", **TASK_OPTIONS)
 def by_kwargs(**fields: Any) -> Any:
     return fields
+
+
+@app.task(name="keys_tests.by_optional", lock_key="request_idx", **TASK_OPTIONS)
+def by_optional(request_idx: Any = None) -> Any:
+    return request_idx
 
 
 @app.task(name="keys_tests.by_digest", **TASK_OPTIONS)
@@ -226,13 +231,25 @@ prefixes = st.text(
     min_size=1,
     max_size=20,
 )
-call_values = st.text() | st.binary(max_size=20) | st.integers() | st.booleans() | st.none()
+# What a lock_key callable may return; an argument in a name or template key may also be a bool
+# or a container (None is refused).
+key_values = st.text() | st.binary(max_size=20) | st.integers()
+scalar_values = key_values | st.booleans()
+container_values = (
+    st.lists(scalar_values, max_size=3)
+    | st.tuples(scalar_values, scalar_values)
+    | st.sets(hashables, max_size=4)
+    | st.dictionaries(st.text(max_size=5), scalar_values, max_size=3)
+)
+call_values = scalar_values | container_values
 
 
 @st.composite
 def derive_cases(draw: st.DrawFn) -> list[Any]:
     spec = draw(st.sampled_from(["name", "template", "conversions", "callable", "digest"]))
-    key, tenant = draw(call_values), draw(call_values)
+    # ``!r`` shows a container's repr, which is not canonical: conversions get scalars only.
+    values = {"callable": key_values, "conversions": scalar_values}.get(spec, call_values)
+    key, tenant = draw(values), draw(values)
     args: list[Any]
     kwargs: dict[str, Any]
     if spec in ("name", "callable"):
@@ -552,6 +569,125 @@ def test_callable_key_is_what_the_callable_returns(returned: Any, expected: str)
     assert seen == [((1,), {"x": 2})]
 
 
+class _Opaque:
+    """An object whose str() is its memory address."""
+
+
+@pytest.mark.parametrize(
+    "returned",
+    [None, _Opaque(), True, 1.5, ["order-7"]],
+    ids=["none", "object", "bool", "float", "list"],
+)
+def test_callable_key_returning_no_key_type_is_refused_at_publish(returned: Any) -> None:
+    @app.task(
+        name=f"keys_tests.returns_{type(returned).__name__}",
+        lock_key=lambda *args, **kwargs: returned,
+        **TASK_OPTIONS,
+    )
+    def returns(order_id: Any) -> Any:
+        return order_id
+
+    with (
+        mock.patch.object(Task, "apply_async") as published,
+        pytest.raises(LockKeyError) as raised,
+    ):
+        returns.delay(7)
+    published.assert_not_called()
+    assert raised.value.task_name == returns.name
+    assert f"must return str, bytes or int, not {type(returned).__name__}" in str(raised.value)
+
+
+def test_callable_key_reading_a_keyword_of_a_positional_call_is_refused() -> None:
+    """The slip that made every call one request "null": the argument came by position."""
+
+    @app.task(
+        name="keys_tests.by_keyword",
+        lock_key=lambda *args, **kwargs: kwargs.get("order_id"),
+        **TASK_OPTIONS,
+    )
+    def by_keyword(order_id: Any) -> Any:
+        return order_id
+
+    assert hash_tag(by_keyword.request_keys((), {"order_id": 7}).lock).endswith(":7")
+    with pytest.raises(LockKeyError, match=r"keys_tests\.by_keyword: .* not NoneType"):
+        by_keyword.request_keys((7,), {})
+
+
+def test_callable_key_that_raises_fails_with_lock_key_error_at_publish() -> None:
+    def key_of(invoice: Any) -> Any:
+        return invoice["number"]
+
+    @app.task(name="keys_tests.by_invoice", lock_key=key_of, **TASK_OPTIONS)
+    def by_invoice(invoice: Any) -> Any:
+        return invoice
+
+    with (
+        mock.patch.object(Task, "apply_async") as published,
+        pytest.raises(
+            LockKeyError, match=r"keys_tests\.by_invoice: .*key_of raised KeyError"
+        ) as raised,
+    ):
+        by_invoice.delay({"total": 100})
+    published.assert_not_called()
+    assert isinstance(raised.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [((None,), {}), ((), {"request_idx": None}), ((), {})],
+    ids=["positional", "keyword", "default"],
+)
+def test_none_argument_in_a_name_key_is_refused_at_publish(call: Any) -> None:
+    args, kwargs = call
+    with (
+        mock.patch.object(Task, "apply_async") as published,
+        pytest.raises(
+            LockKeyError, match=r"keys_tests\.by_optional: .* None, .* for 'request_idx'"
+        ),
+    ):
+        by_optional.apply_async(args, kwargs)
+    published.assert_not_called()
+
+
+def test_none_argument_in_a_template_key_is_refused() -> None:
+    assert hash_tag(by_template.request_keys(("null", 7), {}).lock).endswith(":null:7")
+    with pytest.raises(LockKeyError, match=r"keys_tests\.by_template: .* for 'tenant'"):
+        by_template.request_keys((None, 7), {})
+
+
+@pytest.mark.parametrize("task", [by_name, by_template], ids=["name", "template"])
+def test_a_dict_argument_keys_one_request_whatever_its_order(task: Any) -> None:
+    forwards = task.request_keys(({"a": 1, "b": [2, 3]}, {"x": 1, "y": 2}), {})
+    backwards = task.request_keys(({"b": [2, 3], "a": 1}, {"y": 2, "x": 1}), {})
+    assert forwards == backwards
+    assert forwards != task.request_keys(({"a": 1, "b": [3, 2]}, {"x": 1, "y": 2}), {})
+
+
+def test_a_tuple_argument_keys_like_the_list_a_worker_receives() -> None:
+    assert by_name.request_keys(((1, "a"),), {}) == by_name.request_keys(([1, "a"],), {})
+    assert by_template.request_keys(("acme", (1, 2)), {}) == by_template.request_keys(
+        ("acme", [1, 2]), {}
+    )
+
+
+def test_a_container_argument_reads_as_its_canonical_json() -> None:
+    request_key = deriver(by_name).request_key(({"b": {2, 1}, "a": (1,)},), {})
+    assert request_key == safe_key_part('{"a":[1],"b":{"__set__":["1","2"]}}')
+
+
+def test_a_container_argument_that_json_cannot_hold_raises_lock_key_error() -> None:
+    with pytest.raises(LockKeyError, match=r"keys_tests\.by_name: cannot render lock_key"):
+        by_name.request_keys(([object()],), {})
+
+
+def test_bytes_in_a_template_are_digested_not_written_as_hex() -> None:
+    blob = b"\x01\x02"
+    keys = by_template.request_keys(("acme", blob), {})
+    assert keys != by_template.request_keys(("acme", blob.hex()), {})
+    request_key = deriver(by_template).request_key(("acme", blob), {})
+    assert request_key == safe_key_part(f"acme:{safe_key_part(blob)}")
+
+
 def test_default_key_is_a_digest_of_the_task_name_and_bound_arguments() -> None:
     keys = by_digest.request_keys((1,), {})
     request_key = digest_arguments("keys_tests.by_digest", {"a": 1, "b": 2, "c": None})
@@ -585,7 +721,7 @@ def test_lock_key_naming_a_missing_argument_fails_at_finalize_for_a_lazy_task() 
 
 
 @pytest.mark.parametrize(
-    "template", ["{tenant", "{tenant}}", "{tenant}:{request_idx", "{tenant!rr}"]
+    "template", ["{tenant", "{tenant}}", "{tenant}:{request_idx", "{tenant!rr}", "{tenant!x}"]
 )
 def test_malformed_template_fails_at_class_creation(template: str) -> None:
     with pytest.raises(
@@ -594,6 +730,31 @@ def test_malformed_template_fails_at_class_creation(template: str) -> None:
 
         @app.task(name="keys_tests.malformed", lock_key=template, **TASK_OPTIONS)
         def malformed(tenant: Any, request_idx: Any) -> None:
+            pass
+
+
+@pytest.mark.parametrize("spec", ["opts", "{opts}", "{tenant}:{opts[request_idx]}"])
+def test_lock_key_naming_the_kwargs_parameter_itself_fails_at_class_creation(spec: str) -> None:
+    with pytest.raises(
+        LockKeyError, match=r"keys_tests\.by_opts: lock_key .* names the \*\*opts parameter"
+    ):
+
+        @app.task(name="keys_tests.by_opts", lock_key=spec, **TASK_OPTIONS)
+        def by_opts(tenant: Any, **opts: Any) -> None:
+            pass
+
+
+@pytest.mark.parametrize("scope", [123, ["request"], b"request", ""])
+def test_an_invalid_lock_scope_fails_at_class_creation(scope: Any) -> None:
+    with pytest.raises(
+        ConfigurationError,
+        match=r"keys_tests\.scoped\.lock_scope: must be a non-empty string or None",
+    ):
+
+        @app.task(
+            name="keys_tests.scoped", lock_key="request_idx", lock_scope=scope, **TASK_OPTIONS
+        )
+        def scoped(request_idx: Any) -> None:
             pass
 
 
@@ -738,3 +899,22 @@ def test_a_typed_name_is_stored_as_the_library_stores_it() -> None:
     assert stored_key_part("order 42") == digested
     assert stored_key_part(digested) == digested  # already stored: kept, not digested again
     assert stored_key_part("order-42") == "order-42"
+
+
+class _Opaque:
+    """An object whose only text is its memory address."""
+
+
+class _Named:
+    def __str__(self) -> str:
+        return "named-7"
+
+
+@pytest.mark.parametrize("task", [by_name, by_template], ids=["name", "template"])
+def test_an_argument_whose_only_text_is_its_address_is_refused(task: Any) -> None:
+    # str() of it differs on every call: each call would be a request of its own, silently.
+    with pytest.raises(LockKeyError, match="_Opaque has no text of its own"):
+        task.request_keys((_Opaque(), _Opaque()), {})
+    assert task.request_keys((_Named(), _Named()), {}) == task.request_keys(
+        ("named-7", "named-7"), {}
+    )

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_lock import store as store_module
+from celery_lock.exceptions import LockStateError
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import (
     Acquired,
@@ -243,3 +244,40 @@ def test_a_grant_with_no_fence_ttl_leaves_the_counter_alone(
     assert lock_redis.get(KEYS.fence) == b"7"
     assert lock_redis.pttl(KEYS.fence) == -1  # kept for ever, as it was
     store.client.close()
+
+
+def test_fences_past_lua_s_fourteen_digits_are_written_and_read_whole(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    # Lua writes a number of 10^14 or more as "1e+14" when it is concatenated: the lock would
+    # hold that, a retried acquire would read fence 1 back, and a rival copy could not decode it.
+    store = LockStore.from_url(lock_url)
+    lock_redis.set(KEYS.fence, str(10**15 + 6))  # a counter seeded with microseconds, say
+    token = new_token()
+    assert acquire(store, token) == Acquired(fence=10**15 + 7)
+    assert decode_lock(lock_redis.get(KEYS.lock)).fence == 10**15 + 7
+    assert acquire(store, token) == Acquired(fence=10**15 + 7)  # re-entrant, after a lost reply
+    held = acquire(store, new_token(), OTHER)
+    assert isinstance(held, Held)
+    assert held.task_id == "task-1"
+
+
+def test_a_fence_ttl_past_lua_s_fourteen_digits_reaches_the_counter(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    store = LockStore.from_url(lock_url)
+    huge = 10**17  # ms: passed on as a Lua number it would arrive as "1e+17", and fail
+    assert store.acquire(KEYS, new_token(), TTL_MS, HOLDER, huge) == Acquired(fence=1)
+    assert lock_redis.pttl(KEYS.fence) > 10**16
+
+
+def test_a_counter_past_two_to_the_53_is_refused_as_not_a_fence(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    # A Lua number holds integers exactly up to 2^53: past it, fences could repeat.
+    store = LockStore.from_url(lock_url)
+    lock_redis.set(KEYS.fence, str(2**53 - 1))
+    with pytest.raises(LockStateError, match="expected a fence counter") as caught:
+        acquire(store, new_token())
+    assert caught.value.key == KEYS.fence
+    assert lock_redis.get(KEYS.lock) is None

@@ -1,0 +1,209 @@
+"""What a caller gets back from the result backend: :func:`follow` on a skipped copy, and
+celery-lock's errors as ``AsyncResult.get()`` rebuilds them from a stored failure.
+
+The follow tests play the worker's part by hand: the skipped copy's meta and the holder's state
+go straight into the in-process result backend, the done-marker into the session's Redis through
+:class:`LockStore`'s own scripts. No worker runs, so each test pins exactly what ``follow`` sees.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from celery.result import AsyncResult
+from celery.states import STARTED
+
+from celery_lock import (
+    SKIPPED,
+    CeleryLockError,
+    ConfigurationError,
+    DuplicateTaskError,
+    LockContendedError,
+    LockKeyError,
+    LockLostError,
+    LockStateError,
+    LockStoreError,
+    LockStoreUnavailableError,
+    ResultUnavailableError,
+    StaleFenceError,
+    follow,
+)
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.runtime import reset_runtime
+from celery_lock.states import skipped_marker
+from celery_lock.store import LockStore
+
+TIMEOUT = 10
+TASK = "r.process"
+KEYS = RequestKeys.build("celery-lock", TASK, "7", TASK)
+
+
+@pytest.fixture
+def store(lock_url: str) -> Iterator[LockStore]:
+    store = LockStore.from_url(lock_url)
+    yield store
+    store.client.close()
+
+
+@pytest.fixture(autouse=True)
+def close_lock_runtime(celery_app: Celery) -> Iterator[None]:
+    """Close the lock store clients ``follow`` opened through the app's runtime."""
+    yield
+    reset_runtime(celery_app)
+
+
+def skipped_copy(app: Celery, holder: str, reason: str = "running") -> AsyncResult[Any]:
+    """A copy skipped because ``holder`` held (or had completed) request 7 of ``r.process``."""
+    copy_id = new_token()
+    app.backend.store_result(copy_id, skipped_marker(KEYS.lock, reason, holder, TASK), SKIPPED)
+    return AsyncResult(copy_id, app=app)
+
+
+def complete(store: LockStore, holder: str) -> None:
+    """Take request 7's lease as ``holder`` and release it as a success: its done-marker."""
+    token = new_token()
+    outcome = store.acquire(KEYS, token, 60_000, Holder(holder, TASK, "elsewhere", 1), 60_000)
+    assert isinstance(outcome, Acquired)
+    lease = Lease(store, KEYS, token, 60_000, outcome.fence, Holder(holder, TASK, "elsewhere", 1))
+    store.release(lease, success=True, done_ttl_ms=60_000)
+
+
+# -- follow -----------------------------------------------------------------------------------
+
+
+def test_follow_gives_up_on_a_started_holder_that_completed_but_stored_no_result(
+    celery_app: Celery, store: LockStore
+) -> None:
+    # task_track_started: the holder stored STARTED, wrote its done-marker, and was killed
+    # before it stored its result. Its state stays STARTED for ever.
+    celery_app.backend.store_result("started-id", {"pid": 1}, STARTED)
+    complete(store, "started-id")
+    copy = skipped_copy(celery_app, "started-id")
+    with pytest.raises(ResultUnavailableError) as caught:
+        follow(copy, timeout=TIMEOUT, interval=0.05, grace=0.3)
+    assert (caught.value.task_id, caught.value.lock_name) == ("started-id", KEYS.lock)
+
+
+def test_follow_waits_for_a_started_holder_that_has_not_completed(
+    celery_app: Celery, store: LockStore
+) -> None:
+    celery_app.backend.store_result("running-id", {"pid": 1}, STARTED)
+    copy = skipped_copy(celery_app, "running-id")
+    with pytest.raises(CeleryTimeoutError) as caught:
+        follow(copy, timeout=0.8, interval=0.05, grace=0.1)
+    assert not isinstance(caught.value, ResultUnavailableError)
+
+
+@pytest.fixture
+def amqp_producer() -> Iterator[Celery]:
+    """A producer whose broker is RabbitMQ, with the lock store's URL given only to workers."""
+    app = Celery(
+        "amqp_producer",
+        broker="amqp://guest:guest@127.0.0.1:1//",
+        backend="cache+memory://",
+        set_as_current=False,
+    )
+    yield app
+    reset_runtime(app)
+    app.close()
+
+
+def test_follow_warns_once_when_the_app_cannot_tell_where_the_lock_store_is(
+    amqp_producer: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Waiting cannot learn that the holder completed without storing a result: follow says
+    # why it waits, once, instead of waiting in silence.
+    copy = skipped_copy(amqp_producer, "quiet-id")
+    with caplog.at_level("WARNING", logger="celery_lock"), pytest.raises(CeleryTimeoutError):
+        follow(copy, timeout=0.6, interval=0.05, grace=0.1)
+    [warning] = [r.getMessage() for r in caplog.records if "cannot tell" in r.getMessage()]
+    assert "quiet-id" in warning
+    assert "celery_lock_redis_url" in warning
+
+
+def test_follow_without_a_lock_store_still_returns_a_holder_s_stored_result(
+    amqp_producer: Celery,
+) -> None:
+    # The holder is still running when follow() first looks, and stores its result later.
+    amqp_producer.backend.store_result("holder-id", {"pid": 1}, STARTED)
+    copy = skipped_copy(amqp_producer, "holder-id")
+    finishing = threading.Timer(0.5, amqp_producer.backend.mark_as_done, ("holder-id", 42))
+    finishing.start()
+    try:
+        assert follow(copy, timeout=TIMEOUT, interval=0.05, grace=0.1) == 42
+    finally:
+        finishing.cancel()
+        finishing.join(TIMEOUT)
+
+
+def test_follow_keeps_waiting_while_the_lock_store_is_unreachable(celery_app: Celery) -> None:
+    celery_app.conf.celery_lock_redis_url = "redis://127.0.0.1:1/0"  # nothing listens there
+    copy = skipped_copy(celery_app, "quiet-id")
+    with pytest.raises(CeleryTimeoutError) as caught:
+        follow(copy, timeout=0.5, interval=0.05, grace=0.1)
+    assert not isinstance(caught.value, ResultUnavailableError)
+
+
+# -- errors through a result backend ----------------------------------------------------------
+
+#: One of every error, each with every constructor argument set.
+ERRORS: list[CeleryLockError] = [
+    ConfigurationError("celery_lock_ttl", "must be positive"),
+    LockKeyError("the call lacks request_idx", task_name="shop.process"),
+    LockStoreError("NOPERM", lock_name="celery-lock:{shop.process:7}:lock"),
+    LockStoreUnavailableError("acquire failed", lock_name="celery-lock:{shop.process:7}:lock"),
+    LockStateError(
+        "the fence is not an integer",
+        lock_name="celery-lock:{shop.process:7}:lock",
+        key="celery-lock:{shop.process:7}:fence",
+    ),
+    DuplicateTaskError("celery-lock:{shop.process:7}:lock", "holder-id"),
+    LockContendedError("celery-lock:{shop.process:7}:lock", "holder-id"),
+    LockLostError("celery-lock:{shop.process:7}:lock"),
+    ResultUnavailableError("holder-id", "celery-lock:{shop.process:7}:lock"),
+    StaleFenceError("orders:7", 3, 5),
+    StaleFenceError("orders:8", 3, missing=True),
+]
+ERROR_IDS = [f"{type(error).__name__}-{i}" for i, error in enumerate(ERRORS)]
+
+
+def same_error(rebuilt: BaseException, error: CeleryLockError) -> None:
+    assert type(rebuilt) is type(error)
+    assert vars(rebuilt) == vars(error)  # every attribute, as the worker raised it
+    assert rebuilt.args == error.args
+    assert str(rebuilt) == str(error)
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+@pytest.mark.parametrize("error", ERRORS, ids=ERROR_IDS)
+def test_error_keeps_its_attributes_through_a_result_backend(
+    error: CeleryLockError, serializer: str
+) -> None:
+    app = Celery("errors", backend="cache+memory://", set_as_current=False)
+    app.conf.result_serializer = serializer
+    app.conf.result_accept_content = ["json", "pickle"]
+    try:
+        backend = app.backend
+        stored = backend.encode(backend.prepare_exception(error))
+        same_error(backend.exception_to_python(backend.decode(stored)), error)
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=ERROR_IDS)
+def test_error_keeps_its_attributes_through_pickle(error: CeleryLockError) -> None:
+    same_error(pickle.loads(pickle.dumps(error)), error)
+
+
+def test_errors_keep_their_messages() -> None:
+    assert str(ERRORS[1]) == "shop.process: the call lacks request_idx"
+    assert str(LockKeyError("no such argument")) == "no such argument"
+    assert str(ERRORS[2]) == "NOPERM (lock celery-lock:{shop.process:7}:lock)"
+    assert str(ERRORS[4]) == "the fence is not an integer (lock celery-lock:{shop.process:7}:lock)"
