@@ -223,13 +223,13 @@ def _as_pooled(by_pair: dict[Pair, list[tuple[float, ...]]]) -> dict[Pair, Poole
     return {pair: Pooled(tuple(runs)) for pair, runs in by_pair.items() if any(runs)}
 
 
-def commits(runs: Iterable[dict[str, Any]]) -> dict[str, list[str]]:
+def commits(runs: Iterable[dict[str, Any]]) -> dict[str, list[str | None]]:
     """Machine -> the celery-lock commits its runs measured (``+``: with uncommitted changes),
-    in the order first seen; runs that recorded none (made before runs did) are left out."""
-    seen: dict[str, list[str]] = defaultdict(list)
+    in the order first seen; ``None`` for runs that recorded none (made before runs did)."""
+    seen: dict[str, list[str | None]] = defaultdict(list)
     for results in runs:
-        commit = results.get("machine", {}).get("commit")
-        if commit and commit not in seen[_setup(results)]:
+        commit = results.get("machine", {}).get("commit") or None
+        if commit not in seen[_setup(results)]:
             seen[_setup(results)].append(commit)
     return dict(seen)
 
@@ -292,20 +292,25 @@ def _table(
     return table([first, "rounds", "runs", *labels], cells)
 
 
-def _measured(machine: str, versions: dict[str, list[str]]) -> str:
+def _measured(machine: str, versions: dict[str, list[str | None]]) -> str:
     """Which versions of celery-lock a machine's runs measured, when they recorded it."""
-    found = versions.get(machine)
-    if not found:
+    found = versions.get(machine, [])
+    recorded = [commit for commit in found if commit]
+    if not recorded:
         return ""
-    several = " (different versions of the code, pooled as one)" if len(found) > 1 else ""
-    return f"\n\ncelery-lock at {', '.join(found)}{several}"
+    text = f"celery-lock at {', '.join(recorded)}"
+    if None in found:
+        text += " and at commits some runs did not record"
+    if len(found) > 1:
+        text += " (different versions of the code may be pooled as one)"
+    return f"\n\n{text}"
 
 
 def render_lock_cycles(
     pooled: dict[str, dict[Pair, Pooled]],
     goal: float,
     runs: int,
-    versions: dict[str, list[str]] | None = None,
+    versions: dict[str, list[str | None]] | None = None,
 ) -> str:
     """A Markdown table: a row per machine, a column per ratio of the lock cycle."""
     heading = f"lock cycles per second, {runs} runs pooled:"
@@ -320,7 +325,7 @@ def render(
     goal: float,
     metric: str,
     runs: int,
-    versions: dict[str, list[str]] | None = None,
+    versions: dict[str, list[str | None]] | None = None,
 ) -> str:
     """One Markdown table per machine: a row per worker size, a column per ratio."""
     sections = [
