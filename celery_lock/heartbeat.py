@@ -1,7 +1,8 @@
 """The per-process heartbeat: keeps every lease the process holds alive.
 
 One daemon thread per process (started after fork, stopped at process shutdown) wakes every
-interval and extends all held leases of a store in one pipelined round trip. A lease whose extend
+interval and extends all held leases of a store in one pipelined round trip (the stores of a
+process that uses several, each on a thread of its own). A lease whose extend
 answers "not yours" is lost at once; a lease that cannot be confirmed (Redis unreachable) is lost
 once a full TTL has passed since it was last confirmed, because by then it has surely expired.
 The thread never dies silently: an unexpected error is logged and the loop goes on.
@@ -46,6 +47,8 @@ class Heartbeat:
         # every task whether the thread runs, and Thread.is_alive() costs three Python calls
         # and a lock (bench.cachegrind: some 80 first-level cache misses per task).
         self._alive = False
+        #: Stores being extended on a thread of their own (see beat), and that thread.
+        self._in_flight: dict[LockStore, threading.Thread] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -131,28 +134,67 @@ class Heartbeat:
                 self._alive = False
 
     def beat(self) -> None:
-        """Extend every held lease now: one pipelined round trip per lock store."""
+        """Extend every held lease now: one pipelined round trip per lock store.
+
+        With leases on several stores, each store is extended on a thread of its own, and a
+        store whose extend from an earlier beat is still on its way is left out of this one: a
+        store that hangs (up to two socket timeouts per extend) must not hold back the other
+        stores' extends until their leases lapse. A process on one store (the usual case)
+        extends on this thread, as it always did.
+        """
         by_store: dict[LockStore, list[Lease]] = defaultdict(list)
         for lease in self.leases():
             if not lease.lost:
                 by_store[lease.store].append(lease)
+        if len(by_store) == 1:
+            [(store, leases)] = by_store.items()
+            with self._guard:
+                apart = store in self._in_flight
+            if not apart:
+                self._extend(store, leases)
+                return
         for store, leases in by_store.items():
-            started = _monotonic()
-            try:
-                owned = store.extend_all(leases)
-            except redis.RedisError as exc:
-                # Unreachable, or an error reply (READONLY after a failover): either way the
-                # lease is unconfirmed, and lost once a whole TTL has passed unconfirmed.
-                logger.warning("celery-lock: heartbeat could not extend leases: %s", exc)
-                for lease in leases:
-                    if _monotonic() - lease.confirmed_at >= lease.ttl_ms / 1000:
-                        self._lost_if_held(lease)
-                continue
-            for lease, still_owned in zip(leases, owned, strict=True):
-                if still_owned:
-                    lease.confirmed_at = started
-                else:
+            with self._guard:
+                if store in self._in_flight:
+                    continue
+                thread = threading.Thread(
+                    target=self._extend_apart,
+                    args=(store, leases),
+                    name="celery-lock-heartbeat-extend",
+                    daemon=True,
+                )
+                self._in_flight[store] = thread
+            thread.start()
+
+    def _extend_apart(self, store: LockStore, leases: list[Lease]) -> None:
+        """:meth:`_extend` on a thread of its own; the store may be extended again once done."""
+        try:
+            self._extend(store, leases)
+        except Exception:
+            logger.exception("celery-lock: heartbeat failed; trying again next interval")
+        finally:
+            with self._guard:
+                self._in_flight.pop(store, None)
+
+    def _extend(self, store: LockStore, leases: list[Lease]) -> None:
+        """Extend the leases of one store; mark lost those it no longer holds, and those left
+        unconfirmed for a whole TTL."""
+        started = _monotonic()
+        try:
+            owned = store.extend_all(leases)
+        except redis.RedisError as exc:
+            # Unreachable, or an error reply (READONLY after a failover): either way the
+            # lease is unconfirmed, and lost once a whole TTL has passed unconfirmed.
+            logger.warning("celery-lock: heartbeat could not extend leases: %s", exc)
+            for lease in leases:
+                if _monotonic() - lease.confirmed_at >= lease.ttl_ms / 1000:
                     self._lost_if_held(lease)
+            return
+        for lease, still_owned in zip(leases, owned, strict=True):
+            if still_owned:
+                lease.confirmed_at = started
+            else:
+                self._lost_if_held(lease)
 
     def _lost_if_held(self, lease: Lease) -> None:
         """Mark ``lease`` lost, unless its task let go of it while the extend was on its way.

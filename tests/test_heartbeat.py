@@ -4,6 +4,8 @@ while it works. (More of its beats are in test_round_trips, test_task and the fa
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -15,6 +17,7 @@ from celery_lock.heartbeat import Heartbeat
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.store import LockStore
+from celery_lock.testing import RedisServer
 
 HOLDER = Holder(task_id="task-1", task_name="shop.process", host="host-a", pid=101)
 
@@ -214,3 +217,32 @@ def test_an_extend_only_ever_lengthens_the_fence_counters_ttl(
         assert low <= lock_redis.pttl(lease.keys.fence) <= high
     finally:
         store.client.close()
+
+
+def test_a_store_that_hangs_does_not_hold_back_another_stores_extends(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    # Tasks on two lock stores in one process. One store stops answering (its redis-server is
+    # SIGSTOPped: connections still open, replies never come), and each extend there waits
+    # out two socket timeouts (10 s). The other store's lease, of a 2 s TTL, must be extended
+    # all along, not lapse while the beat waits.
+    with RedisServer() as hanging_server:
+        hanging = LockStore.from_url(hanging_server.url)
+        healthy = LockStore.from_url(lock_url)
+        heartbeat = Heartbeat()
+        stuck = _granted(hanging, "stuck", 60_000)
+        kept = _granted(healthy, "kept", 2_000)
+        try:
+            heartbeat.add(stuck, 0.5)  # first: its store comes first in every beat
+            heartbeat.add(kept, 0.5)
+            os.kill(hanging_server.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 6.0  # three of the kept lease's TTLs
+            while time.monotonic() < deadline:
+                assert lock_redis.exists(kept.keys.lock), "the healthy store's lease lapsed"
+                time.sleep(0.2)
+            assert not kept.lost
+        finally:
+            os.kill(hanging_server.pid, signal.SIGCONT)
+            heartbeat.stop()
+            healthy.client.close()
+            hanging.client.close()
