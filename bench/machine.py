@@ -109,27 +109,21 @@ def source_tree() -> str | None:
 
     Runs of two versions of the code must not be pooled as one: the commit says which is which.
     """
-    root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        changes = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        commit = _git("rev-parse", "--short=12", "HEAD")
+        changes = _git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{commit}+" if changes else commit
+
+
+def _git(*args: str) -> str:
+    """What ``git ARGS`` prints in this checkout, stripped."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+    )
+    return done.stdout.strip()
 
 
 def describe(redis_executable: str) -> dict[str, Any]:

@@ -23,6 +23,8 @@ from celery.result import AsyncResult
 from celery.worker import state as worker_state
 
 from celery_lock import SKIPPED
+from celery_lock.runtime import reset_runtime
+from celery_lock.store import LockStore
 from celery_lock.testing import CeleryWorker, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,3 +215,20 @@ def rabbitmq() -> str:
             pytest.fail("RabbitMQ is not reachable at 127.0.0.1:5672 and CI=true")
         pytest.skip("RabbitMQ is not reachable at 127.0.0.1:5672")
     return RABBITMQ_URL
+
+
+@pytest.fixture
+def store(lock_url: str) -> Iterator[LockStore]:
+    """A lock store client on the session's Redis (a test file with a store of its own
+    overrides it)."""
+    client = LockStore.from_url(lock_url)
+    yield client
+    client.client.close()
+
+
+@pytest.fixture
+def close_lock_runtime(celery_app: Celery) -> Iterator[None]:
+    """Stop the app's heartbeat and close its lock store clients after the test (a file
+    applies it to all its tests with ``pytest.mark.usefixtures``)."""
+    yield
+    reset_runtime(celery_app)

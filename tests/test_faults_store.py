@@ -63,6 +63,8 @@ from celery_lock.testing import CeleryWorker, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 20.0
+pytestmark = pytest.mark.usefixtures("close_lock_runtime")
+
 HOLDER = Holder(task_id="task-1", task_name="shop.process", host="host-a", pid=101)
 KEYS = RequestKeys.build("celery-lock", "shop.process", "42", "shop.process")
 TTL_MS = 5_000
@@ -292,12 +294,6 @@ def tasks(celery_app: Celery, bodies: Bodies) -> dict[str, Any]:
 @pytest.fixture
 def worker(tasks: dict[str, Any], celery_worker: TestWorkController) -> TestWorkController:
     return celery_worker
-
-
-@pytest.fixture(autouse=True)
-def close_lock_runtime(celery_app: Celery) -> Iterator[None]:
-    yield
-    reset_runtime(celery_app)
 
 
 @pytest.fixture

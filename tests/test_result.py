@@ -41,22 +41,9 @@ from celery_lock.states import skipped_marker
 from celery_lock.store import LockStore
 
 TIMEOUT = 10
+pytestmark = pytest.mark.usefixtures("close_lock_runtime")
 TASK = "r.process"
 KEYS = RequestKeys.build("celery-lock", TASK, "7", TASK)
-
-
-@pytest.fixture
-def store(lock_url: str) -> Iterator[LockStore]:
-    store = LockStore.from_url(lock_url)
-    yield store
-    store.client.close()
-
-
-@pytest.fixture(autouse=True)
-def close_lock_runtime(celery_app: Celery) -> Iterator[None]:
-    """Close the lock store clients ``follow`` opened through the app's runtime."""
-    yield
-    reset_runtime(celery_app)
 
 
 def skipped_copy(app: Celery, holder: str, reason: str = "running") -> AsyncResult[Any]:

@@ -33,11 +33,12 @@ from celery_lock import (
 )
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, new_token
-from celery_lock.runtime import get_runtime, reset_runtime
+from celery_lock.runtime import get_runtime
 from celery_lock.store import LockStore
 from celery_lock.task import DEFERRALS_HEADER
 
 TIMEOUT = 20
+pytestmark = pytest.mark.usefixtures("close_lock_runtime")
 
 
 class Calls:
@@ -153,20 +154,6 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
 @pytest.fixture
 def worker(tasks: dict[str, Any], celery_worker: TestWorkController) -> TestWorkController:
     return celery_worker
-
-
-@pytest.fixture
-def store(lock_url: str) -> Iterator[LockStore]:
-    store = LockStore.from_url(lock_url)
-    yield store
-    store.client.close()
-
-
-@pytest.fixture(autouse=True)
-def close_lock_runtime(celery_app: Celery) -> Iterator[None]:
-    """Stop the app's heartbeat and close its lock store clients after each test."""
-    yield
-    reset_runtime(celery_app)
 
 
 def hold(
