@@ -901,10 +901,6 @@ def test_a_typed_name_is_stored_as_the_library_stores_it() -> None:
     assert stored_key_part("order-42") == "order-42"
 
 
-class _Opaque:
-    """An object whose only text is its memory address."""
-
-
 class _Named:
     def __str__(self) -> str:
         return "named-7"
