@@ -31,9 +31,9 @@ OnDuplicate = Literal["skip", "retry", "raise"]
 DUPLICATE_POLICIES: tuple[OnDuplicate, ...] = ("skip", "retry", "raise")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
 
-#: The longest TTL or interval a setting accepts: ten years, in seconds. Redis's Lua writes a
-#: number of 1e14 or more in scientific notation, which PEXPIRE refuses, and doubles are exact
-#: only up to 2**53; ten years (some 3.2e11 ms) is far below both, and above any real need.
+#: The longest TTL or interval a setting accepts: ten years, in seconds. A choice: longer than
+#: any TTL that means something (a done TTL of ten years is "for ever"), and far inside what the
+#: scripts' Lua numbers hold exactly (whole milliseconds up to 2**53, some 285,000 years).
 MAX_SECONDS = 10 * 365 * 24 * 3600.0
 
 # redis-py's own URL parser (what Redis.from_url runs), typed: redis-py leaves it unannotated.

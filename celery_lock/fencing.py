@@ -384,8 +384,11 @@ def _refusal(
     record = f"{table}:{key}"
     if found is None:
         return StaleFenceError(record, fence, missing=True)
+    # A tuple, or a mapping where the connection's cursor makes rows dicts (pymysql's
+    # DictCursor, psycopg's dict_row, a sqlite3 row_factory).
+    value: Any = next(iter(found.values()), None) if isinstance(found, Mapping) else found[0]
     try:
-        current = int(found[0])
+        current = int(value)
     except (TypeError, ValueError):  # NULL (changed since the UPDATE) or not a number
         current = None
     return StaleFenceError(record, fence, current)

@@ -164,7 +164,12 @@ class Heartbeat:
                     daemon=True,
                 )
                 self._in_flight[store] = thread
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError:  # "can't start new thread": a process at its limit (pids.max)
+                with self._guard:
+                    self._in_flight.pop(store, None)
+                self._extend(store, leases)  # here, then: late for the others, never left out
 
     def _extend_apart(self, store: LockStore, leases: list[Lease]) -> None:
         """:meth:`_extend` on a thread of its own; the store may be extended again once done."""

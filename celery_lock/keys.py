@@ -4,13 +4,15 @@
 
 * an argument name: ``lock_key="request_idx"``;
 * a format template over the bound arguments: ``lock_key="{tenant}:{request_idx}"``;
-* a callable taking the task's ``*args, **kwargs`` and returning ``str``, ``bytes`` or ``int``;
+* a callable taking the task's ``*args, **kwargs`` and returning the key (``str``, ``bytes``,
+  ``int``, or anything read as an argument is);
 * ``None`` (default): a stable digest of the task name and all bound arguments.
 
 An argument in a name or template key reads as itself (a ``str``), its decimal digits (an
-``int``), ``true``/``false`` (a ``bool``), its digest (``bytes``), or its canonical JSON (a
-``dict``, ``list``, ``tuple`` or ``set``: equal values give one key, whatever their order). An
-argument that is ``None`` is refused: every call missing the value would become one request.
+``int``), ``true``/``false``/``null`` (a ``bool`` or ``None``), its digest (``bytes``), its
+canonical JSON (a ``dict``, ``list``, ``tuple`` or ``set``: equal values give one key, whatever
+their order), or its ``str()``. A key made of ``None`` alone is refused (every call missing the
+value would become one request), and so is a value whose only text is its memory address.
 
 The Redis keys of one request share a hash tag, so every script runs on one Redis Cluster slot::
 
@@ -24,11 +26,14 @@ digest, so a key is always bounded and never breaks the hash tag.
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import hashlib
 import inspect
 import json
 import re
 import string
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -78,13 +83,24 @@ def stored_key_part(part: str) -> str:
 
 
 def _canonical(value: Any) -> Any:
-    """A JSON-able form of ``value`` that is equal across processes for equal values."""
+    """A JSON-able form of ``value`` that is equal across processes for equal values.
+
+    Besides bytes, sets and tuples, the types Celery's JSON serializer carries beyond JSON's
+    own (a ``UUID``, a ``datetime``, ``date`` or ``time``, a ``Decimal``), each tagged.
+    """
     if isinstance(value, bytes):
         return {"__bytes__": value.hex()}
     if isinstance(value, (set, frozenset)):
+        # Each member as json.dumps writes it by default (keys already digested this way).
         return {"__set__": sorted(json.dumps(v, sort_keys=True, default=_canonical) for v in value)}
     if isinstance(value, tuple):
         return list(value)
+    if isinstance(value, uuid.UUID):
+        return {"__uuid__": str(value)}
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return {f"__{type(value).__name__}__": value.isoformat()}
+    if isinstance(value, decimal.Decimal):
+        return {"__decimal__": str(value)}
     raise TypeError(f"cannot derive a stable key from a {type(value).__name__}")
 
 
@@ -95,7 +111,31 @@ def _canonical_json(value: Any) -> str:
     Raises:
         TypeError, ValueError: ``value`` holds something JSON cannot stand for.
     """
-    return json.dumps(value, sort_keys=True, default=_canonical, separators=(",", ":"))
+    try:
+        return json.dumps(value, sort_keys=True, default=_canonical, separators=(",", ":"))
+    except TypeError:
+        # Keys of several types ({1: "a", "b": 2}) cannot be sorted: sort them as JSON writes
+        # them, as text (json.dumps turns 1 into "1" anyway).
+        return json.dumps(
+            _keys_as_text(value), sort_keys=True, default=_canonical, separators=(",", ":")
+        )
+
+
+def _keys_as_text(value: Any) -> Any:
+    """``value`` with every dict's keys written as JSON writes them (``1`` -> ``"1"``)."""
+    if isinstance(value, dict):
+        return {_json_key(k): _keys_as_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_keys_as_text(v) for v in value]
+    return value
+
+
+def _json_key(key: Any) -> Any:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, (bool, int, float)) or key is None:
+        return json.dumps(key)
+    return key  # not a key JSON can write: json.dumps raises TypeError, as it did
 
 
 def digest_arguments(task_name: str, arguments: Mapping[str, Any]) -> str:
@@ -114,26 +154,31 @@ def digest_arguments(task_name: str, arguments: Mapping[str, Any]) -> str:
 #: them would depend on dict insertion order and set iteration order (which changes with
 #: the hash seed), and would tell a tuple at publish from the list the worker receives.
 _CONTAINERS = (dict, list, tuple, set, frozenset)
-#: What a ``lock_key`` callable may return: anything else has no stable, meaningful text.
-_KEY_TYPES = (str, bytes, int)
+#: The default ``repr`` of an object: its text is its memory address.
+_ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+>")
 
 
 def _render(value: Any) -> str | bytes:
-    """How an argument (never ``None``) reads in a name or template key.
+    """How an argument reads in a name or template key.
 
     Raises:
-        TypeError, ValueError: a container holds something JSON cannot stand for, or the
-            value's only text is its memory address.
+        TypeError: the value's only text is its memory address (every call would be a
+            request of its own, silently).
     """
     if isinstance(value, (str, bytes)):
         return value
-    if isinstance(value, bool):
+    if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, _CONTAINERS):
-        return _canonical_json(value)
+        try:
+            return _canonical_json(value)
+        except (TypeError, ValueError):
+            text = str(value)  # what it read as before keys were canonical; if it can
+            if _ADDRESS.search(text):
+                raise TypeError(f"{text[:60]} holds an object whose text is its address") from None
+            return text
     kind: Any = type(value)
     if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:
-        # Its text is its memory address: every call would be a request of its own, silently.
         raise TypeError(f"a {kind.__name__} has no text of its own (give it __str__)")
     return str(value)
 
@@ -259,9 +304,9 @@ class KeyDeriver:
         """The request key of one call, always bounded and free of hash-tag braces.
 
         Raises:
-            LockKeyError: the call lacks an argument the key is made of, or one of them is
-                ``None`` or cannot be rendered; a callable ``lock_key`` raised, or returned
-                something other than ``str``, ``bytes`` or ``int``.
+            LockKeyError: the call lacks an argument the key is made of, passes ``None`` for
+                every one of them, or one whose only text is its memory address; a callable
+                ``lock_key`` raised, or returned ``None`` or such an object.
         """
         spec = self.spec
         if callable(spec):
@@ -275,14 +320,15 @@ class KeyDeriver:
                 f"the call has no argument {', '.join(map(repr, missing))} for lock_key {spec!r}",
                 task_name=self.task_name,
             )
-        for name in self._fields:
-            if arguments[name] is None:
-                # None would read as one fixed text: every call lacking the value would be one
-                # request, skipped as done for a day once the first succeeds.
-                raise LockKeyError(
-                    f"lock_key {spec!r} cannot be made of None, which the call passes for {name!r}",
-                    task_name=self.task_name,
-                )
+        if all(arguments[name] is None for name in self._fields):
+            # The key would be one fixed text: every call lacking the value would be one
+            # request, skipped as done for a day once the first succeeds. (In a template with
+            # another field, None reads as null: an optional part of a key that varies.)
+            raise LockKeyError(
+                f"lock_key {spec!r} cannot be made of None alone, which the call passes for "
+                f"{', '.join(map(repr, self._fields))}",
+                task_name=self.task_name,
+            )
         if "{" not in spec:
             try:
                 return safe_key_part(_render(arguments[spec]))
@@ -310,15 +356,17 @@ class KeyDeriver:
             raise LockKeyError(
                 f"lock_key callable {_describe(function)} raised {exc!r}", task_name=self.task_name
             ) from exc
-        # None and objects without a meaningful str() would turn every call into one request
-        # ("None") or each call into its own (a memory address): both silently.
-        if isinstance(key, bool) or not isinstance(key, _KEY_TYPES):
+        # None would turn every call into one request ("null"), an object without text of its
+        # own each call into a request of its own (a memory address): both silently.
+        try:
+            if key is None:
+                raise TypeError("None is no request key")
+            return _render(key)
+        except TypeError as exc:
             raise LockKeyError(
-                f"lock_key callable {_describe(function)} must return str, bytes or int, "
-                f"not {type(key).__name__}",
+                f"lock_key callable {_describe(function)} returned no usable key: {exc}",
                 task_name=self.task_name,
-            )
-        return _render(key)
+            ) from exc
 
 
 class _KeyField:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any
 
 import redis
@@ -30,6 +31,9 @@ __all__ = ["follow"]
 
 
 logger = logging.getLogger(__name__)
+#: The apps follow() has warned for that it cannot tell where their lock store is: once per
+#: app and process, not per call (follow may run on every web request).
+_warned_no_store: weakref.WeakSet[Celery] = weakref.WeakSet()
 
 
 def follow(
@@ -58,7 +62,7 @@ def follow(
 
     When this app cannot tell where the lock store is (no ``celery_lock_redis_url``, and a
     broker that is not Redis), ``follow`` cannot read whether a holder completed: it logs a
-    warning once and waits for the holder's result, up to ``timeout``.
+    warning (once per app and process) and waits for the holder's result, up to ``timeout``.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     current = result
@@ -127,6 +131,10 @@ class _Holding:
         except ConfigurationError as exc:
             # No lock store known here: a holder that stores its result is still followed,
             # but one that completed without storing it would be waited for in silence.
+            self._unreadable = True  # nothing to ask from now on
+            if self.app in _warned_no_store:
+                return False
+            _warned_no_store.add(self.app)
             logger.warning(
                 "celery-lock: follow() cannot tell whether task %s completed %s, so it waits "
                 "for its result (up to the timeout): %s; configure the lock store on the app "
@@ -135,7 +143,6 @@ class _Holding:
                 self.lock_key,
                 exc,
             )
-            self._unreadable = True  # warned once; nothing to ask from now on
             return False
         if isinstance(done, bytes):
             done = done.decode(errors="replace")

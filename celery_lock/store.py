@@ -314,7 +314,7 @@ class LockStore:
         return reply
 
     def _leave_if_demoted(self, exc: redis.ResponseError) -> None:
-        """After ``READONLY`` or ``MASTERDOWN``, drop every connection to the server.
+        """After ``READONLY`` or ``MASTERDOWN``, drop the connections to the server not in use.
 
         A failover demotes the old primary to a replica without closing its clients' connections
         (Redis closes only blocked ones), and a replica answers the health check's ``PING``: the
@@ -328,7 +328,16 @@ class LockStore:
                 _address(self.client),
                 exc,
             )
-            self.client.connection_pool.disconnect()  # the held connection included
+            # The held connection, unless another thread is using it (it will meet the same
+            # reply), and the idle ones: not those in use elsewhere, which may already lead to
+            # the new primary and would lose a command on their way.
+            if self._own_guard.acquire(blocking=False):
+                try:
+                    if self._own is not None:
+                        self._own.disconnect()
+                finally:
+                    self._own_guard.release()
+            self.client.connection_pool.disconnect(inuse_connections=False)
 
     def _call(self, what: str, roles: dict[str, str], lock_name: str, fn: Callable[[], T]) -> T:
         started = _monotonic()

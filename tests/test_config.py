@@ -176,7 +176,7 @@ def test_a_duration_above_ten_years_is_refused_naming_the_bound(name: str) -> No
 
 
 def test_the_longest_durations_are_ones_redis_accepts(lock_url: str) -> None:
-    """Lua writes 1e14 and above as ``1e+14``, which PEXPIRE refuses: the bound stays below."""
+    """Settings at the bound go through every script: grant, extend, release, done-marker."""
     settings = LockSettings.resolve(
         {"celery_lock_ttl": MAX_SECONDS, "celery_lock_done_ttl": MAX_SECONDS}
     )

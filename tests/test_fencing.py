@@ -244,6 +244,19 @@ def test_sql_refused_update_of_a_missing_row_says_the_row_is_missing(
     assert "newer" not in str(error)
 
 
+def test_sql_refused_update_names_the_stored_fence_with_rows_as_dicts(
+    db: sqlite3.Connection,
+) -> None:
+    # pymysql's DictCursor, psycopg's dict_row: the cursor's rows are mappings, not tuples.
+    fenced_update(db, "orders", "id", 1, {"status": "newer"}, 5)
+    db.row_factory = lambda cursor, values: dict(
+        zip((d[0] for d in cursor.description), values, strict=True)
+    )
+    with pytest.raises(StaleFenceError) as caught:
+        fenced_update(db, "orders", "id", 1, {"status": "stale"}, 4, raise_on_stale=True)
+    assert (caught.value.current, caught.value.missing) == (5, False)
+
+
 def test_sql_update_runs_in_the_callers_transaction(db: sqlite3.Connection) -> None:
     fenced_update(db, "orders", "id", 1, {"status": "paid"}, 1)
     db.rollback()

@@ -4,6 +4,7 @@ while it works. (More of its beats are in test_round_trips, test_task and the fa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -246,3 +247,37 @@ def test_a_store_that_hangs_does_not_hold_back_another_stores_extends(
             heartbeat.stop()
             healthy.client.close()
             hanging.client.close()
+
+
+def test_two_stores_are_extended_even_when_no_thread_can_start(
+    lock_url: str, lock_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A process at its thread limit (a container's pids.max): the stores are extended on the
+    # beat's own thread, and neither is left marked as being extended elsewhere.
+    with RedisServer() as other_server:
+        first, second = LockStore.from_url(lock_url), LockStore.from_url(other_server.url)
+        heartbeat = Heartbeat()
+        leases = [_granted(first, "first", 60_000), _granted(second, "second", 60_000)]
+        start = threading.Thread.start
+
+        def refuse_extend_threads(thread: threading.Thread) -> None:
+            if thread.name == "celery-lock-heartbeat-extend":
+                raise RuntimeError("can't start new thread")
+            start(thread)
+
+        try:
+            for lease in leases:
+                heartbeat.add(lease, LONG)
+            lock_redis.pexpire(leases[0].keys.lock, 1_000)
+            with contextlib.closing(other_server.client()) as other:
+                other.pexpire(leases[1].keys.lock, 1_000)
+                monkeypatch.setattr(threading.Thread, "start", refuse_extend_threads)
+                heartbeat.beat()
+                monkeypatch.undo()
+                assert other.pttl(leases[1].keys.lock) > 50_000
+            assert lock_redis.pttl(leases[0].keys.lock) > 50_000
+            assert heartbeat._in_flight == {}
+        finally:
+            heartbeat.stop()
+            first.client.close()
+            second.client.close()

@@ -108,8 +108,10 @@ def test_follow_warns_once_when_the_app_cannot_tell_where_the_lock_store_is(
     # Waiting cannot learn that the holder completed without storing a result: follow says
     # why it waits, once, instead of waiting in silence.
     copy = skipped_copy(amqp_producer, "quiet-id")
-    with caplog.at_level("WARNING", logger="celery_lock"), pytest.raises(CeleryTimeoutError):
-        follow(copy, timeout=0.6, interval=0.05, grace=0.1)
+    with caplog.at_level("WARNING", logger="celery_lock"):
+        for _ in range(2):  # once per app and process: follow may run on every web request
+            with pytest.raises(CeleryTimeoutError):
+                follow(copy, timeout=0.4, interval=0.05, grace=0.1)
     [warning] = [r.getMessage() for r in caplog.records if "cannot tell" in r.getMessage()]
     assert "quiet-id" in warning
     assert "celery_lock_redis_url" in warning
