@@ -665,10 +665,14 @@ def test_after_a_failover_the_store_follows_its_address_to_the_new_primary(
             assert acquire(store, old_token) == Acquired(fence=1)
             old_lease = Lease(store, KEYS, old_token, TTL_MS, 1, HOLDER)
             assert store.extend_all([old_lease]) == [True]  # the heartbeat's connection, too
+            # Another thread's connection, in use meanwhile: its command must not be cut.
+            busy = store.client.connection_pool.get_connection()
             proxy.upstream_port = promoted.port  # new connections reach the new primary
             admin.replicaof("127.0.0.1", promoted.port)
             other = RequestKeys.build("celery-lock", "shop.process", "43", "shop.process")
             assert acquire(store, new_token(), other) == Acquired(fence=1)
+            assert busy._sock is not None  # left alone: its own next reply says READONLY
+            store.client.connection_pool.release(busy)
             with contextlib.closing(promoted.client()) as new_primary:
                 assert new_primary.exists(other.lock) == 1
             # The old lease is gone with the old primary's data: lost, not "unavailable".
