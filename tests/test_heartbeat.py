@@ -245,6 +245,10 @@ def test_a_store_that_hangs_does_not_hold_back_another_stores_extends(
         finally:
             os.kill(hanging_server.pid, signal.SIGCONT)
             heartbeat.stop()
+            # The stuck extend gets its reply now: let it end before its client is closed,
+            # or its retry would open a connection nothing closes.
+            for thread in list(heartbeat._in_flight.values()):
+                thread.join(20)
             healthy.client.close()
             hanging.client.close()
 
