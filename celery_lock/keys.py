@@ -167,6 +167,8 @@ def _render(value: Any) -> str | bytes:
     """
     if isinstance(value, (str, bytes)):
         return value
+    if type(value) is int:  # the usual request id, before the checks below (not a bool)
+        return str(value)
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, _CONTAINERS):
@@ -320,7 +322,13 @@ class KeyDeriver:
                 f"the call has no argument {', '.join(map(repr, missing))} for lock_key {spec!r}",
                 task_name=self.task_name,
             )
-        if all(arguments[name] is None for name in self._fields):
+        fields = self._fields
+        # The first field first, without a generator: this runs for every task.
+        if (
+            fields
+            and arguments[fields[0]] is None
+            and all(arguments[name] is None for name in fields[1:])
+        ):
             # The key would be one fixed text: every call lacking the value would be one
             # request, skipped as done for a day once the first succeeds. (In a template with
             # another field, None reads as null: an optional part of a key that varies.)

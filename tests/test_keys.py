@@ -951,3 +951,12 @@ def test_an_argument_whose_only_text_is_its_address_is_refused(task: Any) -> Non
     assert task.request_keys((_Named(), _Named()), {}) == task.request_keys(
         ("named-7", "named-7"), {}
     )
+
+
+def test_a_template_without_fields_is_one_constant_key() -> None:
+    # "{{global}}": every call one request, as written (a task that runs once at a time).
+    def task(a: Any) -> None:
+        pass
+
+    spec = KeyDeriver.create("t", inspect.signature(task), "{{global}}")
+    assert spec.request_key((1,), {}) == spec.request_key((2,), {}) == safe_key_part("{global}")
