@@ -303,7 +303,7 @@ def _measured(machine: str, versions: dict[str, list[str | None]]) -> str:
         text += " and at commits some runs did not record"
     if len(found) > 1:
         text += " (different versions of the code may be pooled as one)"
-    return f"\n\n{text}"
+    return text
 
 
 def render_lock_cycles(
@@ -314,10 +314,11 @@ def render_lock_cycles(
 ) -> str:
     """A Markdown table: a row per machine, a column per ratio of the lock cycle."""
     heading = f"lock cycles per second, {runs} runs pooled:"
-    measured = "".join(
-        _measured(machine, versions or {}).replace("\n\n", f"\n\n{machine}: ") for machine in pooled
-    )
-    return f"{heading}\n\n{_table('machine', pooled, CYCLE_RATIOS, goal, LOCK_CYCLE)}{measured}"
+    measured = [
+        f"{machine}: {text}" for machine in pooled if (text := _measured(machine, versions or {}))
+    ]
+    cycles = _table("machine", pooled, CYCLE_RATIOS, goal, LOCK_CYCLE)
+    return "\n\n".join([heading, cycles, *measured])
 
 
 def render(
@@ -329,8 +330,15 @@ def render(
 ) -> str:
     """One Markdown table per machine: a row per worker size, a column per ratio."""
     sections = [
-        f"{machine}:\n\n{_table('processes', by_size, RATIOS, goal, metric)}"
-        f"{_measured(machine, versions or {})}"
+        "\n\n".join(
+            part
+            for part in (
+                f"{machine}:",
+                _table("processes", by_size, RATIOS, goal, metric),
+                _measured(machine, versions or {}),
+            )
+            if part
+        )
         for machine, by_size in pooled.items()
     ]
     heading = (

@@ -27,7 +27,6 @@ Two ways in:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import dataclasses
 import io
@@ -134,8 +133,7 @@ def _profile_calls(
     timed_calls(locked, calls, first + calls)
     profiler.disable()
     reset_runtime(app)
-    with contextlib.closing(server.client(LOCK_DB)) as client:
-        client.flushdb()
+    server.flush(LOCK_DB)
     return {
         "us_per_call": {k: statistics.median(v) for k, v in samples.items()},
         "samples": samples,
@@ -167,8 +165,7 @@ def in_worker(
             publish(task, ids, queue)
             drained = worker.drain(queue, 60 + calls / 20)
         stats = pstats.Stats(str(out))
-    with contextlib.closing(server.client(LOCK_DB)) as client:
-        client.flushdb()
+    server.flush(LOCK_DB)
     return {"kind": kind, "drain_s": drained.seconds, "profile": _top(stats, top, focus)}
 
 
@@ -190,8 +187,7 @@ def sampled_worker(server: RedisServer, kind: str, calls: int, processes: int) -
                 time.sleep(1.0)  # py-spy attaches; the idle worker adds no samples meanwhile
                 drained = worker.drain(queue, 60 + calls / 20)
         summary = summarize(out.read_text(), calls)
-    with contextlib.closing(server.client(LOCK_DB)) as client:
-        client.flushdb()
+    server.flush(LOCK_DB)
     return {"kind": kind, "processes": processes, "drain_s": drained.seconds, "summary": summary}
 
 

@@ -56,6 +56,7 @@ write.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import sys
@@ -275,6 +276,11 @@ def _placeholders(style: str, count: int) -> tuple[list[str], bool]:
     raise ValueError(f"paramstyle must be one of {', '.join(_PARAMSTYLES)}, got {style!r}")
 
 
+def _bound(params: list[Any], named: bool) -> Any:
+    """``params`` as the driver binds them: a list, or a dict ``p0, p1, ...`` for named styles."""
+    return {f"p{i}": value for i, value in enumerate(params)} if named else params
+
+
 def fenced_update(
     conn: _Connection,
     table: str,
@@ -348,13 +354,10 @@ def fenced_update(
         f" WHERE {key_column} = {marks[-2]}"
         f" AND ({fence_column} IS NULL OR {fence_column} <= {marks[-1]})"
     )
-    bound: Any = {f"p{i}": value for i, value in enumerate(params)} if named else params
-    cursor: _Cursor = conn.cursor()
-    try:
-        cursor.execute(sql, bound)
+    cursor: _Cursor
+    with contextlib.closing(conn.cursor()) as cursor:
+        cursor.execute(sql, _bound(params, named))
         updated = cursor.rowcount > 0
-    finally:
-        cursor.close()
     if not updated and raise_on_stale:
         raise _refusal(conn, style, table, key_column, key, fence_column, fence)
     return updated
@@ -371,16 +374,14 @@ def _refusal(
 ) -> StaleFenceError:
     """Why an update matched no row: a larger fence stored (and which), or no such row."""
     [mark], named = _placeholders(style, 1)
-    cursor: _Cursor = conn.cursor()
-    try:
+    cursor: _Cursor
+    with contextlib.closing(conn.cursor()) as cursor:
         # As in the UPDATE, only validated identifiers and a placeholder are formatted in.
         cursor.execute(
             f"SELECT {fence_column} FROM {table} WHERE {key_column} = {mark}",
-            {"p0": key} if named else [key],
+            _bound([key], named),
         )
         found = cursor.fetchone()
-    finally:
-        cursor.close()
     record = f"{table}:{key}"
     if found is None:
         return StaleFenceError(record, fence, missing=True)

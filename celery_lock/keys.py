@@ -334,7 +334,7 @@ class KeyDeriver:
             # another field, None reads as null: an optional part of a key that varies.)
             raise LockKeyError(
                 f"lock_key {spec!r} cannot be made of None alone, which the call passes for "
-                f"{', '.join(map(repr, self._fields))}",
+                f"{', '.join(map(repr, fields))}",
                 task_name=self.task_name,
             )
         if "{" not in spec:

@@ -26,6 +26,7 @@ from .keys import RequestKeys
 from .runtime import get_runtime
 from .states import SKIPPED
 from .store import LockStore
+from .task import LockedTask
 
 __all__ = ["follow"]
 
@@ -156,12 +157,12 @@ class _Holding:
         Raises:
             ConfigurationError: this app cannot tell where the lock store is.
         """
-        runtime = get_runtime(self.app)
         task = self.app.tasks.get(self.task_name) if self.task_name else None
-        options = getattr(task, "_lock_task_options", None)
-        if task is None or options is None:
-            return runtime.store_for(LockSettings.resolve(self.app.conf))
-        return runtime.store_for(runtime.settings(task.name, options))
+        if isinstance(task, LockedTask):
+            settings = task.lock_settings()
+        else:
+            settings = LockSettings.resolve(self.app.conf)
+        return get_runtime(self.app).store_for(settings)
 
 
 def _left(deadline: float | None) -> float | None:

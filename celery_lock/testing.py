@@ -133,6 +133,12 @@ class RedisServer:
         kwargs.setdefault("password", self.password)
         return redis.Redis(host="127.0.0.1", port=self.port, db=db, **kwargs)
 
+    def flush(self, db: int = 0) -> None:
+        """Empty database ``db``, on a client closed at once (one left to the garbage collector
+        can be finalized socket first: a ``ResourceWarning`` wherever that happens)."""
+        with contextlib.closing(self.client(db)) as client:
+            client.flushdb()
+
     def start(self, timeout: float = 10.0) -> None:
         """Start the server (no-op if running) and wait until it answers.
 

@@ -6,7 +6,6 @@ wheel, started on a free port for this session and stopped by pid at its end.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import sys
@@ -36,13 +35,6 @@ BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB = 0, 1, 2, 3
 T = TypeVar("T")
 
 
-def flush(server: RedisServer, db: int) -> None:
-    """Empty database ``db`` of ``server``, on a client closed at once: one left to the garbage
-    collector can be finalized socket first, a ResourceWarning in whatever test runs then."""
-    with contextlib.closing(server.client(db)) as client:
-        client.flushdb()
-
-
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """A redis-server of this test session (not the machine's service)."""
@@ -53,7 +45,7 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def lock_url(redis_server: RedisServer) -> str:
     """URL of an empty lock store database."""
-    flush(redis_server, LOCK_DB)
+    redis_server.flush(LOCK_DB)
     return redis_server.url_for(LOCK_DB)
 
 
@@ -83,7 +75,7 @@ def celery_config(lock_url: str) -> dict[str, Any]:
 def worker_env(redis_server: RedisServer) -> dict[str, str]:
     """Environment for ``tests/apps/storm_app.py`` workers, on emptied databases."""
     for db in (BROKER_DB, BACKEND_DB, LOCK_DB, RECORD_DB):
-        flush(redis_server, db)
+        redis_server.flush(db)
     return {
         "STORM_BROKER_URL": redis_server.url_for(BROKER_DB),
         "STORM_BACKEND_URL": redis_server.url_for(BACKEND_DB),

@@ -40,7 +40,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController
-from conftest import command_calls, flush, settle, wait_for
+from conftest import command_calls, settle, wait_for
 from redis.backoff import NoBackoff
 from redis.credentials import CredentialProvider
 from redis.retry import Retry
@@ -364,7 +364,7 @@ def store_env(redis_server: RedisServer, lock_server: RedisServer) -> dict[str, 
     """store_app environment: broker, backend and record on the session server (emptied),
     the lock store on this test's own server."""
     for db in (0, 1, 3):
-        flush(redis_server, db)
+        redis_server.flush(db)
     return {
         "STORE_BROKER_URL": redis_server.url_for(0),
         "STORE_BACKEND_URL": redis_server.url_for(1),

@@ -5,8 +5,6 @@ while it works. (More of its beats are in test_round_trips, test_task and the fa
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import threading
 import time
 from typing import Any
@@ -236,14 +234,14 @@ def test_a_store_that_hangs_does_not_hold_back_another_stores_extends(
         try:
             heartbeat.add(stuck, 0.5)  # first: its store comes first in every beat
             heartbeat.add(kept, 0.5)
-            os.kill(hanging_server.pid, signal.SIGSTOP)
+            hanging_server.pause()
             deadline = time.monotonic() + 6.0  # three of the kept lease's TTLs
             while time.monotonic() < deadline:
                 assert lock_redis.exists(kept.keys.lock), "the healthy store's lease lapsed"
                 time.sleep(0.2)
             assert not kept.lost
         finally:
-            os.kill(hanging_server.pid, signal.SIGCONT)
+            hanging_server.resume()
             heartbeat.stop()
             # The stuck extend gets its reply now: let it end before its client is closed,
             # or its retry would open a connection nothing closes.

@@ -94,6 +94,19 @@ def test_redis_server_starts_and_answers(server: RedisServer) -> None:
     assert str(server.port) in repr(server)
 
 
+def test_redis_server_flush_empties_one_database(server: RedisServer) -> None:
+    first, second = server.client(1), server.client(2)
+    try:
+        first.set("k", "v")
+        second.set("k", "v")
+        server.flush(1)
+        assert first.exists("k") == 0
+        assert second.exists("k") == 1
+    finally:
+        first.close()
+        second.close()
+
+
 def test_redis_server_stop_ends_pid_and_is_idempotent() -> None:
     srv = RedisServer()
     srv.start()
