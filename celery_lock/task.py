@@ -39,6 +39,7 @@ for ever; :func:`celery_lock.follow` follows it to the holder's result instead::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 from celery import Signature, Task
 from celery._state import _task_stack  # type: ignore[attr-defined]
 from celery.app.task import Context
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import signals
 from .config import LockSettings
@@ -79,6 +80,9 @@ logger = logging.getLogger(__name__)
 DEFERRALS_HEADER = "celery_lock_deferrals"
 #: Set on a request once a call has taken it over: a call that finds it set is a nested one.
 _ENTERED = "_celery_lock_entered"
+#: Exceptions a signal raises wherever the process happens to be (pool processes turn SIGTERM
+#: into SystemExit); the release they interrupt is tried again.
+_INTERRUPTIONS = (SystemExit, KeyboardInterrupt, SoftTimeLimitExceeded)
 #: RabbitMQ's dead-lettering headers, which Celery drops from a message it publishes again
 #: (``celery.app.task.X_DEATH_HEADERS``, Celery 5.6+): RabbitMQ before 4.0.1 takes a copy that
 #: carries them, sent through native delayed delivery, for a dead-letter cycle and drops it.
@@ -461,6 +465,15 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 exc,
             )
             return
+        except _INTERRUPTIONS:
+            # A signal's exception raised inside the release (SIGTERM's SystemExit in a pool
+            # process, a soft time limit), perhaps before the script left: the heartbeat has
+            # let go of the lease and would not hand it back, so the request would stay locked
+            # a whole TTL. Release once more (a first try that did run leaves nothing to do),
+            # then let the exception go on.
+            with contextlib.suppress(LockStoreError):
+                lease.store.release(lease, success=success, done_ttl_ms=settings.done_ttl_ms)
+            raise
         if not owned:
             logger.warning(
                 "celery-lock: lease on %s was no longer held by task %s at release",

@@ -531,6 +531,38 @@ def test_a_heartbeat_that_cannot_start_leaves_no_lease_held(
     assert not lock_redis.exists("celery-lock:{t.process:7}:lock")
 
 
+@pytest.mark.parametrize("script_ran", [False, True], ids=["before-the-send", "reply-lost"])
+def test_a_release_a_signal_interrupts_is_tried_again(
+    celery_app: Celery,
+    tasks: dict[str, Any],
+    lock_redis: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    script_ran: bool,
+) -> None:
+    # SIGTERM in a pool process raises SystemExit wherever the process is: inside the release,
+    # before its script left, the lease (no longer in the heartbeat) would stay held a TTL.
+    store = get_runtime(celery_app).store_for(tasks["process"].lock_settings())
+    tasks["process"](6)  # the scripts are loaded: the interrupted send is the release itself
+    send = store._send
+    interrupted: list[tuple[Any, ...]] = []
+
+    def send_interrupted(*command: Any) -> Any:
+        if command[:2] == ("EVALSHA", store.scripts.release.sha) and not interrupted:
+            interrupted.append(command)
+            if script_ran:
+                send(*command)
+            raise SystemExit(-15)
+        return send(*command)
+
+    monkeypatch.setattr(store, "_send", send_interrupted)
+    with pytest.raises(SystemExit):
+        tasks["process"](7)
+    assert interrupted
+    keys = tasks["process"].request_keys((7,), {})
+    assert not lock_redis.exists(keys.lock)
+    assert lock_redis.exists(keys.done)  # the body had finished: the request is done
+
+
 def test_a_lease_counts_its_ttl_from_before_the_acquire(
     celery_app: Celery, tasks: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
