@@ -81,7 +81,7 @@ DEFERRALS_HEADER = "celery_lock_deferrals"
 #: Set on a request once a call has taken it over: a call that finds it set is a nested one.
 _ENTERED = "_celery_lock_entered"
 #: Exceptions a signal raises wherever the process happens to be (pool processes turn SIGTERM
-#: into SystemExit); the release they interrupt is tried again.
+#: into SystemExit): an acquire or a release they interrupt may or may not have run its script.
 _INTERRUPTIONS = (SystemExit, KeyboardInterrupt, SoftTimeLimitExceeded)
 #: RabbitMQ's dead-lettering headers, which Celery drops from a message it publishes again
 #: (``celery.app.task.X_DEATH_HEADERS``, Celery 5.6+): RabbitMQ before 4.0.1 takes a copy that
@@ -343,6 +343,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
             outcome = store.acquire(keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms)
         except LockStoreError as exc:
             return self._without_store(exc, settings, keys, args, kwargs)
+        except _INTERRUPTIONS:
+            # A signal's exception (SIGTERM's SystemExit, a soft time limit) raised after the
+            # script ran would leave a grant no heartbeat knows, held a whole TTL: give back
+            # whatever this token may hold (the release changes nothing if it holds nothing).
+            unknown_grant = Lease(store, keys, token, settings.ttl_ms, 0, holder, 0)
+            with contextlib.suppress(LockStoreError):
+                store.release(unknown_grant, success=False, done_ttl_ms=settings.done_ttl_ms)
+            raise
 
         if isinstance(outcome, Acquired):
             lease = Lease(
@@ -406,20 +414,20 @@ class LockedTask(Task):  # type: ignore[type-arg]
         request: Any,
         heartbeat: Heartbeat,
     ) -> Any:
-        request.lock_fence = lease.fence
-        request.lock_key = lease.keys.lock
-        request.lock_lost = False
-        request.lock_lease = lease
-        lease.on_lost = self._lease_lost_callback(request)
-        headers = request.headers
-        if headers and DEFERRALS_HEADER in headers:
-            # Deferrals count a wait for a holder, which is over: a retry the body asks for
-            # (Celery copies the request's headers) must not start its backoff where it ended.
-            del headers[DEFERRALS_HEADER]
         success = False
         try:
-            # Inside the try: whatever raises from here on (the heartbeat's thread failing to
-            # start, a soft time limit's signal) must not leave the lease held and extended.
+            # Inside the try: whatever raises from here on (a signal's exception, the
+            # heartbeat's thread failing to start) must not leave the lease held and extended.
+            request.lock_fence = lease.fence
+            request.lock_key = lease.keys.lock
+            request.lock_lost = False
+            request.lock_lease = lease
+            lease.on_lost = self._lease_lost_callback(request)
+            headers = request.headers
+            if headers and DEFERRALS_HEADER in headers:
+                # Deferrals count a wait for a holder, which is over: a retry the body asks for
+                # (Celery copies the request's headers) must not start its backoff where it ended.
+                del headers[DEFERRALS_HEADER]
             heartbeat.add(lease, settings.interval)
             signals.lock_acquired.send(
                 sender=self, task_id=request.id, lock_key=lease.keys.lock, fence=lease.fence

@@ -531,23 +531,31 @@ def test_a_heartbeat_that_cannot_start_leaves_no_lease_held(
     assert not lock_redis.exists("celery-lock:{t.process:7}:lock")
 
 
-@pytest.mark.parametrize("script_ran", [False, True], ids=["before-the-send", "reply-lost"])
-def test_a_release_a_signal_interrupts_is_tried_again(
+@pytest.mark.parametrize(
+    ("script", "script_ran"),
+    [("acquire", True), ("release", False), ("release", True)],
+    ids=["acquire-reply-lost", "release-before-the-send", "release-reply-lost"],
+)
+def test_a_round_trip_a_signal_interrupts_leaves_the_request_unlocked(
     celery_app: Celery,
     tasks: dict[str, Any],
+    calls: Calls,
     lock_redis: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
+    script: str,
     script_ran: bool,
 ) -> None:
-    # SIGTERM in a pool process raises SystemExit wherever the process is: inside the release,
-    # before its script left, the lease (no longer in the heartbeat) would stay held a TTL.
+    # SIGTERM in a pool process raises SystemExit wherever the process is. Inside the acquire,
+    # after its script ran, or inside the release, before its script left, the lock would stay
+    # held a whole TTL: no heartbeat knows it, so the shutdown's hand-back would miss it.
     store = get_runtime(celery_app).store_for(tasks["process"].lock_settings())
-    tasks["process"](6)  # the scripts are loaded: the interrupted send is the release itself
+    tasks["process"](6)  # the scripts are loaded: the interrupted send is the script itself
+    sha = getattr(store.scripts, script).sha
     send = store._send
     interrupted: list[tuple[Any, ...]] = []
 
     def send_interrupted(*command: Any) -> Any:
-        if command[:2] == ("EVALSHA", store.scripts.release.sha) and not interrupted:
+        if command[:2] == ("EVALSHA", sha) and not interrupted:
             interrupted.append(command)
             if script_ran:
                 send(*command)
@@ -560,7 +568,9 @@ def test_a_release_a_signal_interrupts_is_tried_again(
     assert interrupted
     keys = tasks["process"].request_keys((7,), {})
     assert not lock_redis.exists(keys.lock)
-    assert lock_redis.exists(keys.done)  # the body had finished: the request is done
+    # Done only where the body had finished.
+    assert lock_redis.exists(keys.done) == (script == "release")
+    assert calls.count("t.process") == (2 if script == "release" else 1)
 
 
 def test_a_lease_counts_its_ttl_from_before_the_acquire(
