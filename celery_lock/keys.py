@@ -8,7 +8,8 @@
   ``int``, or anything read as an argument is);
 * ``None`` (default): a stable digest of the task name and all bound arguments.
 
-An argument in a name or template key reads as itself (a ``str``), its decimal digits (an
+An argument in a name or template key (or a value a template reaches through one:
+``{order.id}``, ``{invoice[number]}``) reads as itself (a ``str``), its decimal digits (an
 ``int``), ``true``/``false``/``null`` (a ``bool`` or ``None``), its digest (``bytes``), its
 canonical JSON (a ``dict``, ``list``, ``tuple`` or ``set``: equal values give one key, whatever
 their order), or its ``str()``. A key made of ``None`` alone is refused (every call missing the
@@ -201,13 +202,17 @@ class KeyDeriver:
     # parameter is an ordinary one (positional or keyword), for binding without Signature.bind.
     _fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _plain_names: tuple[str, ...] | None = field(init=False, repr=False, compare=False)
+    #: Whether the template reaches into an argument (``{order.id}``, ``{inv[number]}``).
+    _sub_fields: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         parameters = self.signature.parameters.values()
         plain = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in parameters)
         names = tuple(self.signature.parameters) if plain else None
         object.__setattr__(self, "_plain_names", names)
-        object.__setattr__(self, "_fields", tuple(self._parse_fields()))
+        fields = self._parse_fields()
+        object.__setattr__(self, "_fields", tuple(name for name, _ in fields))
+        object.__setattr__(self, "_sub_fields", any(whole != name for name, whole in fields))
 
     @classmethod
     def create(cls, task_name: str, signature: inspect.Signature, spec: LockKeySpec) -> KeyDeriver:
@@ -249,11 +254,12 @@ class KeyDeriver:
         """The argument names a string ``lock_key`` refers to."""
         return list(self._fields)
 
-    def _parse_fields(self) -> list[str]:
+    def _parse_fields(self) -> list[tuple[str, str]]:
+        """Each field of a string ``lock_key``: the argument it names, and the field whole."""
         if not isinstance(self.spec, str):
             return []
         if "{" not in self.spec:
-            return [self.spec]
+            return [(self.spec, self.spec)]
         try:
             parsed = list(string.Formatter().parse(self.spec))
         except ValueError as exc:
@@ -276,7 +282,7 @@ class KeyDeriver:
                     f"lock_key template {self.spec!r} must name its fields ({{name}})",
                     task_name=self.task_name,
                 )
-            names.append(root)
+            names.append((root, template_field))
         return names
 
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -345,14 +351,23 @@ class KeyDeriver:
                     f"cannot render lock_key {spec!r} from the call's arguments: {exc}",
                     task_name=self.task_name,
                 ) from exc
-        rendered = {name: _KeyField(arguments[name]) for name in self._fields}
+        # Values reached through sub-fields are checked for None-alone as they are formatted.
+        leaves: list[Any] | None = [] if self._sub_fields else None
+        rendered = {name: _KeyField(arguments[name], leaves) for name in self._fields}
         try:
-            return safe_key_part(spec.format_map(rendered))
+            text = spec.format_map(rendered)
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
             raise LockKeyError(
                 f"cannot render lock_key {spec!r} from the call's arguments: {exc!r}",
                 task_name=self.task_name,
             ) from exc
+        if leaves and all(leaf is None for leaf in leaves):
+            raise LockKeyError(
+                f"lock_key {spec!r} cannot be made of None alone, which the call passes for "
+                f"each of its fields",
+                task_name=self.task_name,
+            )
+        return safe_key_part(text)
 
     def _call_key_function(
         self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -378,15 +393,26 @@ class KeyDeriver:
 
 
 class _KeyField:
-    """Formats a bound argument the way a bare ``lock_key`` renders it."""
+    """Formats a bound argument, or a value reached through it (``{order.id}``,
+    ``{inv[number]}``), the way a bare ``lock_key`` renders it.
 
-    def __init__(self, value: Any) -> None:
-        self.value = value
+    ``leaves``, when given, collects every value formatted, for the None-alone check of a
+    template with sub-fields. The slots are name-mangled so that no sub-field a template may
+    name (``{order.value}``) finds them instead of the argument's own attribute.
+    """
+
+    __slots__ = ("__leaves", "__value")
+
+    def __init__(self, value: Any, leaves: list[Any] | None = None) -> None:
+        self.__value = value
+        self.__leaves = leaves
 
     def __format__(self, format_spec: str) -> str:
+        if self.__leaves is not None:
+            self.__leaves.append(self.__value)
         if format_spec:
-            return format(self.value, format_spec)
-        rendered = _render(self.value)
+            return format(self.__value, format_spec)
+        rendered = _render(self.__value)
         # Bytes are digested, as a bytes key is: their hex would read as the hex string.
         return safe_key_part(rendered) if isinstance(rendered, bytes) else rendered
 
@@ -394,13 +420,15 @@ class _KeyField:
         return self.__format__("")
 
     def __repr__(self) -> str:  # ``{name!r}``, ``{name!a}``
-        return repr(self.value)
+        if self.__leaves is not None:
+            self.__leaves.append(self.__value)
+        return repr(self.__value)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.value, name)
+        return _KeyField(getattr(self.__value, name), self.__leaves)
 
     def __getitem__(self, item: Any) -> Any:
-        return self.value[item]
+        return _KeyField(self.__value[item], self.__leaves)
 
 
 @dataclass(frozen=True)

@@ -960,3 +960,48 @@ def test_a_template_without_fields_is_one_constant_key() -> None:
 
     spec = KeyDeriver.create("t", inspect.signature(task), "{{global}}")
     assert spec.request_key((1,), {}) == spec.request_key((2,), {}) == safe_key_part("{global}")
+
+
+class _Order:
+    def __init__(self, value: Any, id: Any = 7) -> None:
+        self.value = value
+        self.id = id
+
+    def __str__(self) -> str:
+        return "an order"
+
+
+def _sub_field_deriver(spec: str) -> KeyDeriver:
+    def task(order: Any, invoice: Any) -> None:
+        pass
+
+    return KeyDeriver.create("t", inspect.signature(task), spec)
+
+
+def test_a_template_reaching_into_an_argument_reads_the_value_it_reaches() -> None:
+    # "{order.value}" used to find the key field's own slot, and read the whole order.
+    value_key = _sub_field_deriver("{order.value}")
+    assert value_key.request_key((_Order(5), {}), {}) == "5"
+    assert value_key.request_key((_Order(6), {}), {}) == "6"
+    # What it reaches reads as an argument does: bool, containers, and so on.
+    items = _sub_field_deriver("{invoice[items]}-{invoice[paid]}")
+    forwards = items.request_key((None, {"items": {"a": 1, "b": 2}, "paid": True}), {})
+    assert forwards == items.request_key((None, {"items": {"b": 2, "a": 1}, "paid": True}), {})
+    assert forwards == safe_key_part('{"a":1,"b":2}-true')
+    assert _sub_field_deriver("{order.id:05d}").request_key((_Order(1), {}), {}) == "00007"
+
+
+@pytest.mark.parametrize("spec", ["{order.id}", "{invoice[number]}", "{invoice[number]!r}"])
+def test_a_template_reaching_only_none_is_refused(spec: str) -> None:
+    with pytest.raises(LockKeyError, match=r"t: lock_key .* None alone"):
+        _sub_field_deriver(spec).request_key((_Order(5, id=None), {"number": None}), {})
+
+
+def test_none_reached_beside_another_value_reads_as_null() -> None:
+    derive = _sub_field_deriver("{order.value}:{invoice[number]}")
+    assert derive.request_key((_Order(5), {"number": None}), {}) == "5:null"
+
+
+def test_a_value_reached_whose_only_text_is_its_address_is_refused() -> None:
+    with pytest.raises(LockKeyError, match="_Opaque has no text of its own"):
+        _sub_field_deriver("{invoice[number]}").request_key((None, {"number": _Opaque()}), {})
