@@ -166,12 +166,25 @@ def _render(value: Any) -> str | bytes:
         TypeError: the value's only text is its memory address (every call would be a
             request of its own, silently).
     """
-    if isinstance(value, (str, bytes)):
-        return value
-    if type(value) is int:  # the usual request id, before the checks below (not a bool)
+    kind: Any = type(value)
+    if kind is str or kind is bytes:
+        text: str | bytes = value
+        return text
+    if kind is int:  # the usual request id, before the checks below (not a bool)
         return str(value)
-    if isinstance(value, bool) or value is None:
+    if kind is bool or value is None:
         return json.dumps(value)
+    # A subclass reads as the worker receives it, in JSON: a str enum as its value, an IntEnum
+    # as its number. Its own __str__ (Kind.REFUND) would lock another key on a direct or eager
+    # call than on the worker, and the two copies would not exclude each other.
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bytes):
+        return bytes(value)
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, float):
+        return float.__repr__(value)
     if isinstance(value, _CONTAINERS):
         try:
             return _canonical_json(value)
@@ -180,7 +193,6 @@ def _render(value: Any) -> str | bytes:
             if _ADDRESS.search(text):
                 raise TypeError(f"{text[:60]} holds an object whose text is its address") from None
             return text
-    kind: Any = type(value)
     if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:
         raise TypeError(f"a {kind.__name__} has no text of its own (give it __str__)")
     return str(value)

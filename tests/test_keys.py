@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import enum
 import hashlib
 import inspect
 import json
@@ -1005,3 +1006,20 @@ def test_none_reached_beside_another_value_reads_as_null() -> None:
 def test_a_value_reached_whose_only_text_is_its_address_is_refused() -> None:
     with pytest.raises(LockKeyError, match="_Opaque has no text of its own"):
         _sub_field_deriver("{invoice[number]}").request_key((None, {"number": _Opaque()}), {})
+
+
+class _Kind(str, enum.Enum):
+    REFUND = "refund"
+
+
+class _Priority(enum.IntEnum):
+    HIGH = 1
+
+
+@pytest.mark.parametrize("task", [by_name, by_template], ids=["name", "template"])
+@pytest.mark.parametrize(("member", "sent"), [(_Kind.REFUND, "refund"), (_Priority.HIGH, 1)])
+def test_an_enum_argument_keys_as_the_value_the_worker_receives(
+    task: Any, member: Any, sent: Any
+) -> None:
+    # A direct or eager call passes the member; the worker gets its JSON value. One request.
+    assert task.request_keys((member, member), {}) == task.request_keys((sent, sent), {})
