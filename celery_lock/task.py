@@ -391,17 +391,22 @@ class LockedTask(Task):  # type: ignore[type-arg]
     ) -> Any:
         """The acquire failed: fail closed (defer), or run unlocked under ``fail_open``."""
         request: Any = self.request
+        run = request.id or "(a direct call)"
         if not isinstance(exc, LockStoreUnavailableError):
             # Garbage under the request's keys (LockStateError) or a command the store refuses
             # for good: deferring would loop for ever and running unlocked is not safe, so the
             # task fails, even with fail_open.
-            logger.error("celery-lock: %s; task %s fails unrun", exc, request.id)
+            logger.error("celery-lock: %s; task %s fails unrun", exc, run)
             raise exc
         if settings.fail_open:
-            logger.warning("celery-lock: %s; running task %s unlocked (fail_open)", exc, request.id)
+            logger.warning("celery-lock: %s; running task %s unlocked (fail_open)", exc, run)
             request.lock_fence, request.lock_key, request.lock_lost = None, keys.lock, False
             return self.run(*args, **kwargs)
-        logger.warning("celery-lock: %s; deferring task %s (fail closed)", exc, request.id)
+        if request.is_eager or request.called_directly:
+            # Nothing to hand back to a broker: _defer raises the error itself.
+            logger.warning("celery-lock: %s; task %s fails unrun (fail closed)", exc, run)
+        else:
+            logger.warning("celery-lock: %s; deferring task %s (fail closed)", exc, run)
         # pttl_ms=0: no lease bounds the wait, so it backs off up to DEFER_MAX_DELAY.
         self._defer(args, kwargs, keys, "store-unavailable", holder="", pttl_ms=0, exc=exc)
 

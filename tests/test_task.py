@@ -6,6 +6,7 @@ controls exactly who holds the request and for how long.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from celery_lock import (
     LockedTask,
     LockKeyError,
     LockLostError,
+    LockStoreUnavailableError,
     ResultUnavailableError,
     follow,
     is_skipped,
@@ -571,6 +573,29 @@ def test_a_round_trip_a_signal_interrupts_leaves_the_request_unlocked(
     # Done only where the body had finished.
     assert lock_redis.exists(keys.done) == (script == "release")
     assert calls.count("t.process") == (2 if script == "release" else 1)
+
+
+def test_a_direct_call_failing_closed_is_logged_as_failing_not_as_deferred(
+    celery_app: Celery,
+    tasks: dict[str, Any],
+    calls: Calls,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = get_runtime(celery_app).store_for(tasks["process"].lock_settings())
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise LockStoreUnavailableError("acquire failed: Connection refused", lock_name="x")
+
+    monkeypatch.setattr(store, "acquire", unreachable)
+    with (
+        caplog.at_level(logging.WARNING, logger="celery_lock"),
+        pytest.raises(LockStoreUnavailableError),
+    ):
+        tasks["process"](7)
+    assert calls.seen == []
+    assert "task (a direct call) fails unrun (fail closed)" in caplog.text
+    assert "deferring" not in caplog.text  # nothing is handed back to a broker
 
 
 def test_a_lease_counts_its_ttl_from_before_the_acquire(
