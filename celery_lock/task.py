@@ -52,7 +52,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 from celery import Signature, Task
 from celery._state import _task_stack  # type: ignore[attr-defined]
 from celery.app.task import Context
-from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
+from celery.canvas import maybe_signature
+from celery.exceptions import Ignore, Reject, Retry
 
 from . import signals
 from .config import LockSettings
@@ -61,6 +62,7 @@ from .exceptions import (
     ConfigurationError,
     DuplicateTaskError,
     LockContendedError,
+    LockKeyError,
     LockLostError,
     LockStoreError,
     LockStoreUnavailableError,
@@ -80,9 +82,6 @@ logger = logging.getLogger(__name__)
 DEFERRALS_HEADER = "celery_lock_deferrals"
 #: Set on a request once a call has taken it over: a call that finds it set is a nested one.
 _ENTERED = "_celery_lock_entered"
-#: Exceptions a signal raises wherever the process happens to be (pool processes turn SIGTERM
-#: into SystemExit): an acquire or a release they interrupt may or may not have run its script.
-_INTERRUPTIONS = (SystemExit, KeyboardInterrupt, SoftTimeLimitExceeded)
 #: RabbitMQ's dead-lettering headers, which Celery drops from a message it publishes again
 #: (``celery.app.task.X_DEATH_HEADERS``, Celery 5.6+): RabbitMQ before 4.0.1 takes a copy that
 #: carries them, sent through native delayed delivery, for a dead-letter cycle and drops it.
@@ -248,9 +247,17 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
         Raises:
             LockKeyError: the call lacks an argument the key is made of; nothing is published.
+                Except for the next step of a canvas, which a worker sends (with a
+                ``parent_id``) once its parent has succeeded: raised there, the error would
+                fail the parent, so the step is published and fails on the worker, unrun.
         """
         if self._lock_deriver is not None:
-            self._lock_deriver.request_key(tuple(args or ()), kwargs or {})
+            try:
+                self._lock_deriver.request_key(tuple(args or ()), kwargs or {})
+            except LockKeyError as exc:
+                if not options.get("parent_id"):
+                    raise
+                logger.warning("celery-lock: %s; the worker will fail this step unrun", exc)
         return super().apply_async(args, kwargs, *a, **options)
 
     # -- worker side ---------------------------------------------------------------------------
@@ -343,10 +350,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
             outcome = store.acquire(keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms)
         except LockStoreError as exc:
             return self._without_store(exc, settings, keys, args, kwargs)
-        except _INTERRUPTIONS:
-            # A signal's exception (SIGTERM's SystemExit, a soft time limit) raised after the
-            # script ran would leave a grant no heartbeat knows, held a whole TTL: give back
-            # whatever this token may hold (the release changes nothing if it holds nothing).
+        except BaseException:
+            # Raised inside the round trip, perhaps after the script ran: a signal's exception
+            # (SIGTERM's SystemExit in a pool process, a soft time limit) or, under gevent or
+            # eventlet, a kill or a hard time limit. A grant no heartbeat knows would be held
+            # a whole TTL: give back whatever this token may hold (nothing changes if nothing).
             unknown_grant = Lease(store, keys, token, settings.ttl_ms, 0, holder, 0)
             with contextlib.suppress(LockStoreError):
                 store.release(unknown_grant, success=False, done_ttl_ms=settings.done_ttl_ms)
@@ -441,33 +449,65 @@ class LockedTask(Task):  # type: ignore[type-arg]
             success = True
             return result
         finally:
-            heartbeat.discard(lease)
-            self._release(lease, settings, success=success)
+            self._release(lease, settings, heartbeat, success=success)
 
     def on_replace(self, sig: Signature[Any]) -> Any:
-        """Hand the request on to ``sig``: release this run's lease (no done-marker), then send
-        ``sig`` as Celery does.
+        """Hand the request on to ``sig``: release this run's lease, then send ``sig`` as
+        Celery does.
 
         Released first because the replacement inherits this task id: sent first, a
         replacement locked on the same request (a paginating task replacing itself) would find
         the lease held by its own task id and wait for it to lapse, or, eager, fail with
         :class:`LockContendedError`.
+
+        The release writes this task's done-marker, as Celery counts a replaced task finished
+        (it acks the message): a later copy must not run the body again, whatever ``sig`` is (the
+        next stage of a shared scope, a plain task, a chain). Not where ``sig`` may run this
+        very task on this very request, which the marker would skip.
         """
         request = self.request
         lease: Lease | None = getattr(request, "lock_lease", None)
         if lease is not None:
-            get_runtime(self.app).heartbeat.discard(lease)
-            self._release(lease, self.lock_settings(), success=False)
+            heartbeat = get_runtime(self.app).heartbeat
+            done = not self._may_run_again(sig, lease.keys)
+            self._release(lease, self.lock_settings(), heartbeat, success=done)
             # Eager, replace() returns and the body goes on, without the lease: check_lock()
             # must say so.
             request.lock_lost = True
         return super().on_replace(sig)
 
-    def _release(self, lease: Lease, settings: LockSettings, *, success: bool) -> None:
+    def _may_run_again(self, sig: Any, keys: RequestKeys) -> bool:
+        """Whether the canvas ``sig`` may run this task on the request ``keys`` name: it holds
+        this task with arguments that give those keys, or whose keys cannot be told before it
+        runs (inside a chain or a group, a result may be prepended to them)."""
+        pending: list[tuple[Any, bool]] = [(sig, False)]
+        while pending:
+            each, nested = pending.pop()
+            current: Any = maybe_signature(each, app=self.app)
+            if current.task == self.name:
+                if nested and not current.immutable:
+                    return True
+                try:
+                    if self.request_keys(tuple(current.args), dict(current.kwargs)) == keys:
+                        return True
+                except LockKeyError:
+                    return True
+            # Chains and groups (tasks), a chord's body, celery.map, starmap and chunks (task).
+            inner = [*(getattr(current, "tasks", None) or ()), getattr(current, "body", None)]
+            inner.append(current.kwargs.get("task"))
+            pending.extend((one, True) for one in inner if isinstance(one, dict))
+        return False
+
+    def _release(
+        self, lease: Lease, settings: LockSettings, heartbeat: Heartbeat, *, success: bool
+    ) -> None:
+        """Stop extending ``lease`` and delete the lock, writing the done-marker on success."""
         if lease.released:
             return
-        lease.released = True
         try:
+            lease.released = True
+            # Out of the heartbeat first: an extend that meets the release is not a loss.
+            heartbeat.discard(lease)
             owned = lease.store.release(lease, success=success, done_ttl_ms=settings.done_ttl_ms)
         except LockStoreError as exc:
             # The task's own outcome stands; the lease lapses by its TTL.
@@ -478,12 +518,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 exc,
             )
             return
-        except _INTERRUPTIONS:
-            # A signal's exception raised inside the release (SIGTERM's SystemExit in a pool
-            # process, a soft time limit), perhaps before the script left: the heartbeat has
-            # let go of the lease and would not hand it back, so the request would stay locked
-            # a whole TTL. Release once more (a first try that did run leaves nothing to do),
-            # then let the exception go on.
+        except BaseException:
+            # Raised inside, perhaps before the script left: a signal's exception or a greenlet
+            # killed (as at the acquire). Extended on by the heartbeat, or let go by it and
+            # missed by the shutdown's hand-back, the lease would outlive the task: let go of
+            # it and release once more (a first try that did run leaves nothing to do).
+            heartbeat.discard(lease)
             with contextlib.suppress(LockStoreError):
                 lease.store.release(lease, success=success, done_ttl_ms=settings.done_ttl_ms)
             raise

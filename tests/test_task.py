@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, current_task
+from celery import Celery, chain, chord, current_task, group
 from celery.contrib.testing.worker import TestWorkController
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import before_task_publish, task_postrun
 from conftest import wait_for
@@ -149,7 +150,19 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
             return f"{value}; lease handed on"
         return f"{value}; lease still held"
 
-    every = (process, pending, stage, flaky, boom, slow, walk, hop, relay)
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="request_idx", lock_scope="request", name="t.handover"
+    )
+    def handover(self: Any, request_idx: int) -> str:
+        # The first stage of a pipeline, handing its request on to the next stage.
+        seen(self)
+        return self.replace(stage.si(request_idx))
+
+    @celery_app.task(name="t.nothing")
+    def nothing() -> None:
+        return None
+
+    every = (process, pending, stage, flaky, boom, slow, walk, hop, relay, handover, nothing)
     return {t.name.split(".", 1)[1]: t for t in every}
 
 
@@ -315,6 +328,41 @@ def test_replace_hands_the_request_on_and_the_last_run_marks_it_done(
     keys: RequestKeys = tasks["hop"].request_keys((7, 0), {})
     assert not lock_redis.exists(keys.lock)
     assert lock_redis.get(keys.done) == result.id.encode()
+
+
+def test_a_stage_that_hands_on_to_the_next_stage_is_done_for_its_later_copies(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    # Celery counts a replaced task finished (it acks the message): a later copy of the first
+    # stage must not run its body again, though the request goes on under another task name.
+    first = tasks["handover"].delay(7)
+    assert first.get(timeout=TIMEOUT) == "stage"
+    keys: RequestKeys = tasks["handover"].request_keys((7,), {})
+    assert lock_redis.get(keys.done) == first.id.encode()
+    skipped_copy(tasks["handover"], 7, "done")
+    assert [call["task"] for call in calls.seen] == ["t.handover", "t.stage"]
+
+
+@pytest.mark.parametrize(
+    ("replacement", "may_run_again"),
+    [
+        (lambda t: t["hop"].si(7, 1), True),  # itself, on this request: a page further
+        (lambda t: t["hop"].si(8, 1), False),  # itself, on another request
+        (lambda t: t["stage"].si(7), False),  # another task
+        (lambda t: chain(t["nothing"].si(), t["hop"].s(7)), True),  # a result may be prepended
+        (lambda t: chain(t["nothing"].si(), t["hop"].si(9, 0)), False),
+        (lambda t: group(t["nothing"].si(), t["hop"].si(7, 0)), True),
+        (lambda t: chord([t["nothing"].si()], t["hop"].si(7, 0)), True),
+        (lambda t: t["hop"].chunks([(7, 0)], 1), True),
+    ],
+    ids=["self", "self-elsewhere", "other", "chain-mutable", "chain-other", "group", "chord",
+         "chunks"],
+)  # fmt: skip
+def test_a_replacement_that_may_run_the_task_on_its_request_leaves_it_undone(
+    tasks: dict[str, Any], replacement: Callable[[dict[str, Any]], Any], may_run_again: bool
+) -> None:
+    keys = tasks["hop"].request_keys((7, 0), {})
+    assert tasks["hop"]._may_run_again(replacement(tasks), keys) is may_run_again
 
 
 def test_after_an_eager_replace_the_body_knows_it_holds_no_lease(
@@ -533,6 +581,11 @@ def test_a_heartbeat_that_cannot_start_leaves_no_lease_held(
     assert not lock_redis.exists("celery-lock:{t.process:7}:lock")
 
 
+class _GreenletKilled(BaseException):
+    """What gevent's kill (GreenletExit) and hard time limit (Timeout) are: BaseExceptions."""
+
+
+@pytest.mark.parametrize("interruption", [SystemExit, _GreenletKilled])
 @pytest.mark.parametrize(
     ("script", "script_ran"),
     [("acquire", True), ("release", False), ("release", True)],
@@ -546,10 +599,12 @@ def test_a_round_trip_a_signal_interrupts_leaves_the_request_unlocked(
     monkeypatch: pytest.MonkeyPatch,
     script: str,
     script_ran: bool,
+    interruption: type[BaseException],
 ) -> None:
-    # SIGTERM in a pool process raises SystemExit wherever the process is. Inside the acquire,
-    # after its script ran, or inside the release, before its script left, the lock would stay
-    # held a whole TTL: no heartbeat knows it, so the shutdown's hand-back would miss it.
+    # SIGTERM in a pool process raises SystemExit wherever the process is; gevent delivers a
+    # kill at the next I/O. Inside the acquire, after its script ran, or inside the release,
+    # before its script left, the lock would stay held a whole TTL: no heartbeat knows it, so
+    # the shutdown's hand-back would miss it.
     store = get_runtime(celery_app).store_for(tasks["process"].lock_settings())
     tasks["process"](6)  # the scripts are loaded: the interrupted send is the script itself
     sha = getattr(store.scripts, script).sha
@@ -561,11 +616,11 @@ def test_a_round_trip_a_signal_interrupts_leaves_the_request_unlocked(
             interrupted.append(command)
             if script_ran:
                 send(*command)
-            raise SystemExit(-15)
+            raise interruption()
         return send(*command)
 
     monkeypatch.setattr(store, "_send", send_interrupted)
-    with pytest.raises(SystemExit):
+    with pytest.raises(interruption):
         tasks["process"](7)
     assert interrupted
     keys = tasks["process"].request_keys((7,), {})
@@ -573,6 +628,32 @@ def test_a_round_trip_a_signal_interrupts_leaves_the_request_unlocked(
     # Done only where the body had finished.
     assert lock_redis.exists(keys.done) == (script == "release")
     assert calls.count("t.process") == (2 if script == "release" else 1)
+
+
+def test_a_soft_time_limit_inside_the_heartbeat_s_discard_still_releases(
+    celery_app: Celery,
+    tasks: dict[str, Any],
+    lock_redis: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Raised before the lease left the heartbeat, the release was skipped: the heartbeat kept
+    # extending the lease for as long as the process lived, and every copy was skipped.
+    heartbeat = get_runtime(celery_app).heartbeat
+    discard = heartbeat.discard
+    interrupted: list[Lease] = []
+
+    def discard_interrupted(lease: Lease) -> None:
+        if not interrupted:
+            interrupted.append(lease)
+            raise SoftTimeLimitExceeded()
+        discard(lease)
+
+    monkeypatch.setattr(heartbeat, "discard", discard_interrupted)
+    with pytest.raises(SoftTimeLimitExceeded):
+        tasks["process"](7)
+    assert interrupted
+    assert heartbeat.leases() == []
+    assert not lock_redis.exists(tasks["process"].request_keys((7,), {}).lock)
 
 
 def test_a_direct_call_failing_closed_is_logged_as_failing_not_as_deferred(
@@ -630,6 +711,19 @@ def test_direct_call_of_held_request_raises(tasks: dict[str, Any], store: LockSt
     hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
     with pytest.raises(LockContendedError, match="pending-id"):
         tasks["stage"](7)
+
+
+def test_a_chain_step_without_a_key_fails_alone_not_its_parent(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    # The worker sends the step after its parent succeeded: the publish-time check, raising
+    # there, failed the parent (and its errbacks ran). The step fails on the worker, unrun.
+    result = chain(tasks["nothing"].si(), tasks["process"].s()).apply_async()
+    with pytest.raises(LockKeyError, match="None alone"):
+        result.get(timeout=TIMEOUT)
+    assert result.parent.get(timeout=TIMEOUT) is None
+    assert result.parent.state == "SUCCESS"
+    assert calls.seen == []
 
 
 def test_message_without_key_argument_fails_and_never_runs_unlocked(
