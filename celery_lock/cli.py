@@ -11,13 +11,16 @@ store URL and key prefix from the app's settings (``--url`` and ``--prefix`` ove
 
 A request is named either by one of its Redis keys (``celery-lock:{shop.process:42}:lock``, as
 logs and events show it, or its ``:fence`` or ``:done:<task>`` key) or as
-``<scope>:<request key>``. Every listing uses ``SCAN``, never ``KEYS``. A failing lock store is
-reported as an error (exit status 1), never a traceback.
+``<scope>:<request key>``; a key under another prefix than the one configured is a usage error
+that names the ``--prefix`` to pass. ``forget`` given a done-marker key forgets that marker only.
+Every listing uses ``SCAN``, never ``KEYS``. A failing lock store is reported as an error (exit
+status 1), never a traceback.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -36,6 +39,11 @@ from .runtime import lock_store_url
 __all__ = ["LeaseInfo", "lock"]
 
 SCAN_BATCH = 500
+#: A key of a request as the library lays it out: ``<prefix>:{<scope>:<request key>}:lock``,
+#: ``...:fence`` or ``...:done:<task>``. Neither the prefix, the scope nor the request key holds
+#: a brace (the prefix is checked, the others digested), so the first ``{`` opens the tag and
+#: the next ``}`` closes it.
+_KEY = re.compile(r"(?P<prefix>[^{}]+):(?P<tag>\{[^{}]*\})(?P<suffix>:lock|:fence|:done:.+)")
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,12 @@ class LeaseInfo:
 
 def _ttl_left(pttl: Any) -> float:
     return round(pttl / 1000, 3) if isinstance(pttl, int) and pttl >= 0 else -1.0
+
+
+def _left(ttl_left_s: float, digits: int = 1) -> str:
+    """A TTL left as text: a key without one (-1) is what a LockStateError names, not a
+    lease about to lapse."""
+    return "no TTL" if ttl_left_s < 0 else f"{ttl_left_s:.{digits}f}s left"
 
 
 def _text(value: Any) -> str:
@@ -79,25 +93,42 @@ class LockAdmin:
         self.client = client
         self.prefix = prefix
 
-    def lock_key(self, name: str) -> str:
-        """The lock key of ``name``: a lock key as logged, or ``<scope>:<request key>``.
+    def parse(self, name: str) -> tuple[str, str | None]:
+        """The lock key ``name`` names, and the done-marker key if ``name`` is one.
 
-        In the second form both parts are made safe as the library makes them (a long or
-        unsafe request key becomes a readable prefix and a digest), unless they already are:
-        ``shop.process:order 42`` and ``shop.process:order42~<digest>`` name the same lock.
+        ``name`` is one of the request's keys (its lock, fence or a done-marker key, as logged)
+        or ``<scope>:<request key>``. In the second form both parts are made safe as the
+        library makes them (a long or unsafe request key becomes a readable prefix and a
+        digest), unless they already are: ``shop.process:order 42`` and
+        ``shop.process:order42~<digest>`` name the same lock.
+
+        Raises:
+            click.UsageError: ``name`` is a key under another prefix (read as a request name,
+                it would name a request that does not exist, and every command would find
+                nothing), or names no request at all.
         """
-        head = f"{self.prefix}:{{"
-        if name.startswith(head):
-            # A key as logged: the lock, the fence or a done-marker. Neither the scope nor the
-            # request key holds a brace (the library digests them), so the first "}" ends the tag.
-            end = name.find("}", len(head))
-            suffix = name[end + 1 :] if end >= 0 else ""
-            if suffix in (":lock", ":fence") or suffix.startswith(":done:"):
-                return f"{name[: end + 1]}:lock"
+        key = _KEY.fullmatch(name)
+        if key is not None:
+            if key["prefix"] != self.prefix:
+                raise click.UsageError(
+                    f"{name} is a key under prefix {key['prefix']!r}, not the configured "
+                    f"{self.prefix!r}: pass --prefix {key['prefix']} (before the subcommand)"
+                )
+            tag = f"{key['prefix']}:{key['tag']}"
+            return f"{tag}:lock", name if key["suffix"].startswith(":done:") else None
         scope, colon, request_key = name.partition(":")
-        if not colon:
-            return f"{self.prefix}:{{{name}}}:lock"
-        return f"{self.prefix}:{{{stored_key_part(scope)}:{stored_key_part(request_key)}}}:lock"
+        if not colon or not scope:
+            raise click.BadParameter(
+                f"{name!r} names no request: give one of its keys "
+                f"('{self.prefix}:{{<scope>:<request key>}}:lock') or <scope>:<request key>",
+                param_hint="'KEY'",
+            )
+        tag = f"{self.prefix}:{{{stored_key_part(scope)}:{stored_key_part(request_key)}}}"
+        return f"{tag}:lock", None
+
+    def lock_key(self, name: str) -> str:
+        """The lock key of the request ``name`` names (see :meth:`parse`)."""
+        return self.parse(name)[0]
 
     def tag(self, lock_key: str) -> str:
         return lock_key.removesuffix(":lock")
@@ -108,38 +139,48 @@ class LockAdmin:
 
     def leases(self, keys: list[str]) -> list[LeaseInfo]:
         """Read the leases under ``keys`` in one pipelined round trip per batch."""
+        return [lease for lease, _ in self._read(keys) if lease is not None]
+
+    def lease(self, lock_key: str) -> tuple[LeaseInfo | None, bytes]:
+        """The lease at ``lock_key`` (``None``: none), and what the key holds, for
+        :meth:`release` to delete only that (``b""`` if it is not a string)."""
+        [(lease, value)] = self._read([lock_key])
+        return lease, value
+
+    def _read(self, keys: list[str]) -> list[tuple[LeaseInfo | None, bytes]]:
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.get(key)
             pipe.pttl(key)
         replies = pipe.execute(raise_on_error=False)
         now_ms = time.time() * 1000
-        found = []
+        found: list[tuple[LeaseInfo | None, bytes]] = []
         for key, value, pttl in zip(keys, replies[::2], replies[1::2], strict=True):
             if isinstance(pttl, redis.ResponseError):
                 raise pttl
             if value is None or pttl == -2:
-                continue  # released between SCAN and read
+                found.append((None, b""))  # released between SCAN and read
+                continue
             try:
                 if _wrong_type(value):  # not a string at all
-                    raise ValueError(str(value))
+                    found.append((_foreign(key, pttl), b""))
+                    continue
                 entry = decode_lock(value)
             except (ValueError, KeyError, TypeError):
                 # Not a lock celery-lock wrote: listed, so that it can be found and released.
-                found.append(LeaseInfo(key, "?", "?", "?", None, _ttl_left(pttl), None))
+                found.append((_foreign(key, pttl), value))
                 continue
             holder = entry.holder
-            found.append(
-                LeaseInfo(
-                    key=key,
-                    task_id=holder.task_id,
-                    task=holder.task_name,
-                    worker=f"{holder.host}:{holder.pid}",
-                    age_s=round((now_ms - entry.since_ms) / 1000, 3) if entry.since_ms else None,
-                    ttl_left_s=_ttl_left(pttl),
-                    fence=entry.fence,
-                )
+            lease = LeaseInfo(
+                key=key,
+                task_id=holder.task_id,
+                task=holder.task_name,
+                worker=f"{holder.host}:{holder.pid}",
+                age_s=round((now_ms - entry.since_ms) / 1000, 3) if entry.since_ms else None,
+                ttl_left_s=_ttl_left(pttl),
+                fence=entry.fence,
             )
+            found.append((lease, value))
         return found
 
     def held(self) -> list[LeaseInfo]:
@@ -188,19 +229,51 @@ class LockAdmin:
             "done": done,
         }
 
-    def release(self, name: str) -> bool:
-        """Delete the lease of ``name`` whoever holds it; return whether there was one."""
-        return bool(self.client.delete(self.lock_key(name)))
+    def release(self, lock_key: str, holding: bytes | None = None) -> int:
+        """Delete the lease at ``lock_key``: whoever holds it, or only while it still holds
+        ``holding`` (what :meth:`lease` read). Return 1 if deleted, 0 if there was no lease,
+        -1 if the key holds another value now (say, a new holder's lease)."""
+        if holding is None:
+            return int(self.client.delete(lock_key))
+        return int(self.client.eval(_RELEASE_UNCHANGED, 1, lock_key, holding))
 
-    def forget(self, name: str, task: str | None) -> list[str]:
-        """Delete the done-markers of ``name`` (of one task, or all); return the deleted keys."""
-        tag = self.tag(self.lock_key(name))
-        # The done-marker keys hold the task name made safe, as the library writes it.
-        pattern = f"{_escape(tag)}:done:{_escape(stored_key_part(task)) if task else '*'}"
-        keys = list(self.scan(pattern))
+    def forget(self, name: str, task: str | None) -> tuple[str | None, list[str]]:
+        """Delete the done-markers of ``name``: the one ``name`` is, the one of ``task``, or
+        else every task's. Return the one done-marker key looked for (``None``: all of them)
+        and the deleted keys."""
+        lock_key, done_key = self.parse(name)
+        tag = self.tag(lock_key)
+        if task is not None:
+            # The done-marker keys hold the task name made safe, as the library writes it.
+            task_key = f"{tag}:done:{stored_key_part(task)}"
+            if done_key is not None and done_key != task_key:
+                raise click.UsageError(f"{name} is not the done-marker of --task {task}")
+            done_key = task_key
+        if done_key is not None:
+            # One marker, known by its key: no scan. A done-marker key as pasted (from a
+            # LockStateError) is that task's marker only, not every stage's of the request.
+            return done_key, [done_key] if self.client.delete(done_key) else []
+        keys = list(self.scan(f"{_escape(tag)}:done:*"))
         if keys:
             self.client.delete(*keys)
-        return keys
+        return None, keys
+
+
+# Deletes the lease at KEYS[1] only if the key holds what it held when the user was asked:
+# ARGV[1], or (given "") any value that is not a string. A lease that lapsed in the meantime
+# and was granted again belongs to another holder, whom the user was not asked about.
+_RELEASE_UNCHANGED = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return 0 end
+local now = kind == 'string' and redis.call('GET', KEYS[1]) or ''
+if now ~= ARGV[1] then return -1 end
+return redis.call('DEL', KEYS[1])
+"""
+
+
+def _foreign(key: str, pttl: Any) -> LeaseInfo:
+    """A value under a lock key that celery-lock did not write."""
+    return LeaseInfo(key, "?", "?", "?", None, _ttl_left(pttl), None)
 
 
 def _fence(value: Any, key_type: Any) -> int | str | None:
@@ -274,6 +347,8 @@ def _admin(ctx: click.Context) -> LockAdmin:
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
         client.ping()
+    except redis.AuthenticationError as exc:  # NOAUTH, WRONGPASS: the URL's user or password
+        raise click.ClickException(f"cannot log in to the lock store: {exc}") from exc
     except (redis.RedisError, ValueError) as exc:
         raise click.ClickException(f"cannot reach the lock store: {exc}") from exc
     return LockAdmin(client, prefix)
@@ -314,7 +389,7 @@ def _format_leases(leases: list[LeaseInfo]) -> str:
     rows = [
         (lease.key, lease.task, lease.task_id, lease.worker,
          "-" if lease.age_s is None else f"{lease.age_s:.1f}s",
-         f"{lease.ttl_left_s:.1f}s", str(lease.fence))
+         _left(lease.ttl_left_s).removesuffix(" left"), str(lease.fence))
         for lease in leases
     ]  # fmt: skip
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -344,9 +419,9 @@ def show_command(ctx: click.Context, key: str) -> None:
     else:
         age = "-" if lease["age_s"] is None else f"{lease['age_s']:.1f}s"
         lines += [f"holder    {lease['task_id']} ({lease['task']}) on {lease['worker']}",
-                  f"age       {age}, {lease['ttl_left_s']:.1f}s left"]  # fmt: skip
-    lines.append(f"fence     {info['fence']}")
-    lines += [f"done      {task} by {d['task_id']} ({d['ttl_left_s']:.0f}s left)"
+                  f"age       {age}, {_left(lease['ttl_left_s'])}"]  # fmt: skip
+    lines.append(f"fence     {'none' if info['fence'] is None else info['fence']}")
+    lines += [f"done      {task} by {d['task_id']} ({_left(d['ttl_left_s'], 0)})"
               for task, d in sorted(info["done"].items())] or ["done      none"]  # fmt: skip
     _emit(ctx, info, "\n".join(lines))
 
@@ -362,11 +437,34 @@ def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> Non
         raise click.UsageError("release deletes a lease its holder may still need: add --force")
     admin = _admin(ctx)
     lock_key = admin.lock_key(key)
-    if not yes:
-        click.confirm(f"Release {lock_key}?", abort=True, err=True)  # stdout is for the result
-    released = admin.release(key)
+    if yes:
+        released = admin.release(lock_key) > 0
+    else:
+        # Ask about the lease there is, and delete only that one: not a lease that lapsed
+        # while the user read the question and went to another holder.
+        lease, holding = admin.lease(lock_key)
+        released = False
+        if lease is not None:
+            # On stderr: stdout is for the result.
+            click.confirm(f"Release {lock_key}, {_held(lease)}?", abort=True, err=True)
+            outcome = admin.release(lock_key, holding)
+            if outcome < 0:
+                raise click.ClickException(
+                    f"not released: {lock_key} changed hands while you were asked "
+                    f"(run release again to see its holder)"
+                )
+            released = outcome > 0
     _emit(ctx, {"key": lock_key, "released": released},
           f"released {lock_key}" if released else f"no lease at {lock_key}")  # fmt: skip
+
+
+def _held(lease: LeaseInfo) -> str:
+    """Who holds ``lease`` and for how long, as the release prompt says it."""
+    left = _left(lease.ttl_left_s)
+    if lease.fence is None:  # every lease celery-lock writes has one
+        return f"which holds a value celery-lock did not write ({left})"
+    age = "an unknown time" if lease.age_s is None else f"{lease.age_s:.1f}s"
+    return f"held by {lease.task_id} ({lease.task}) on {lease.worker} for {age} ({left})"
 
 
 @lock.command(name="forget")
@@ -374,7 +472,11 @@ def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> Non
 @click.option("--task", help="Forget only this task's done-marker (default: every task's).")
 @click.pass_context
 def forget_command(ctx: click.Context, key: str, task: str | None) -> None:
-    """Drop a request's done-marker(s), so the request may run again."""
-    deleted = _admin(ctx).forget(key, task)
-    _emit(ctx, {"deleted": deleted},
-          "\n".join(f"forgot {k}" for k in deleted) or "no done-marker found")  # fmt: skip
+    """Drop a request's done-marker(s), so the request may run again.
+
+    Given a done-marker key, only that task's marker (as with --task): the request's other
+    stages stay done."""
+    admin = _admin(ctx)
+    one, deleted = admin.forget(key, task)
+    nothing = f"no done-marker at {one}" if one else f"no done-marker of {admin.lock_key(key)}"
+    _emit(ctx, {"deleted": deleted}, "\n".join(f"forgot {k}" for k in deleted) or nothing)

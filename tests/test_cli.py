@@ -15,7 +15,7 @@ import redis
 from celery_lock.keys import RequestKeys, safe_key_part
 from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.store import LockStore
-from celery_lock.testing import free_port
+from celery_lock.testing import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -259,7 +259,8 @@ def test_release_json_output_stays_json_when_it_asks(
                            stdin="y\n")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"key": lease.keys.lock, "released": True}
-    assert f"Release {lease.keys.lock}? [y/N]" in done.stderr
+    assert f"Release {lease.keys.lock}, held by task-3" in done.stderr
+    assert "[y/N]" in done.stderr
 
 
 def test_an_invalid_setting_the_cli_does_not_use_does_not_stop_it(
@@ -323,3 +324,166 @@ def test_a_pasted_fence_or_done_marker_key_names_its_request(
     done = celery_lock_cli(worker_env, "forget", lease.keys.done)
     assert done.stdout.strip() == f"forgot {lease.keys.done}"
     assert not store.client.exists(lease.keys.done)
+
+
+def test_forget_given_a_done_marker_key_forgets_that_task_s_marker_only(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    # The key a LockStateError names: forgetting it must not make another stage run again.
+    pending = take(store, 9, "task-9", task="storm.pending")
+    store.release(pending, success=True, done_ttl_ms=60_000)
+    settle = take(store, 9, "task-10", task="storm.settle")
+    store.release(settle, success=True, done_ttl_ms=60_000)
+    done = celery_lock_cli(worker_env, "forget", pending.keys.done)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"forgot {pending.keys.done}"
+    assert not store.client.exists(pending.keys.done)
+    assert store.client.exists(settle.keys.done)
+    again = celery_lock_cli(worker_env, "forget", pending.keys.done)
+    assert again.stdout.strip() == f"no done-marker at {pending.keys.done}"
+    # --task naming another task than the key is a contradiction, not a choice between them.
+    both = celery_lock_cli(worker_env, "forget", settle.keys.done, "--task", "storm.pending")
+    assert both.returncode == 2
+    assert store.client.exists(settle.keys.done)
+    # The lock or fence key names the request: every marker, as a request name does.
+    done = celery_lock_cli(worker_env, "forget", settle.keys.fence)
+    assert done.stdout.strip() == f"forgot {settle.keys.done}"
+    done = celery_lock_cli(worker_env, "forget", settle.keys.lock)
+    assert done.stdout.strip() == f"no done-marker of {settle.keys.lock}"
+
+
+def test_forget_of_one_marker_deletes_its_key_without_scanning(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    client: redis.Redis = store.client
+    for task in ("storm.one", "storm.two"):
+        store.release(take(store, 2, task, task=task), success=True, done_ttl_ms=60_000)
+    keys = RequestKeys.build("celery-lock", "storm.process", "2", "storm.one")
+    scans = client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0)
+    by_task = celery_lock_cli(worker_env, "forget", "storm.process:2", "--task", "storm.two")
+    assert by_task.stdout.strip() == f"forgot {keys.lock.removesuffix(':lock')}:done:storm.two"
+    by_key = celery_lock_cli(worker_env, "forget", keys.done)
+    assert by_key.stdout.strip() == f"forgot {keys.done}"
+    # A SCAN walks the whole keyspace: one known key needs none.
+    assert client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0) == scans
+
+
+@pytest.mark.parametrize("command", ["show", "forget", "release"])
+def test_a_key_under_another_prefix_is_a_usage_error_naming_the_prefix_to_pass(
+    worker_env: dict[str, str], store: LockStore, command: str
+) -> None:
+    # Read as a request name it would be digested into another request's key: "none", "no
+    # lease", "no done-marker", exit 0, while the lease is held.
+    keys = RequestKeys.build("myprefix", "storm.x", "1", "storm.x")
+    outcome = store.acquire(keys, new_token(), 30_000, Holder("task-1", "storm.x", "h", 1),
+                            60_000)  # fmt: skip
+    assert isinstance(outcome, Acquired)
+    extra = ["--force", "--yes"] if command == "release" else []
+    done = celery_lock_cli(worker_env, command, keys.lock, *extra)
+    assert done.returncode == 2, done.stdout
+    assert "prefix 'myprefix', not the configured 'celery-lock'" in done.stderr
+    assert "pass --prefix myprefix" in done.stderr
+    assert store.client.exists(keys.lock)
+    done = celery_lock_cli(worker_env, "--prefix", "myprefix", command, keys.lock, *extra)
+    assert done.returncode == 0, done.stderr
+    if command == "show":
+        assert "holder    task-1 (storm.x) on h:1" in done.stdout
+
+
+@pytest.mark.parametrize("name", ["", "storm.process", ":5"])
+@pytest.mark.parametrize("command", ["show", "forget", "release"])
+def test_a_name_that_is_no_key_and_no_scope_and_request_key_is_a_usage_error(
+    worker_env: dict[str, str], command: str, name: str
+) -> None:
+    extra = ["--force", "--yes"] if command == "release" else []
+    done = celery_lock_cli(worker_env, command, name, *extra)
+    assert done.returncode == 2, done.stdout
+    assert "names no request" in done.stderr
+
+
+def test_show_of_an_unknown_request_says_none_throughout(worker_env: dict[str, str]) -> None:
+    done = celery_lock_cli(worker_env, "show", "storm.process:404")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[1:] == ["lease     none", "fence     none", "done      none"]
+
+
+def test_a_lease_and_a_done_marker_without_a_ttl_show_no_ttl(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    # A key without a TTL is what a LockStateError names: not a lease lapsing in -1 s.
+    lease = done_then_held_by_the_next_stage(store, 3)
+    store.client.persist(lease.keys.lock)
+    store.client.persist(lease.keys.done)
+    listed = celery_lock_cli(worker_env, "ls")
+    [row] = listed.stdout.splitlines()[1:-1]
+    assert row.split()[-3:] == ["no", "TTL", "2"]
+    shown = celery_lock_cli(worker_env, "show", "storm.process:3").stdout
+    assert "s, no TTL\n" in shown
+    assert "done      storm.process by task-3 (no TTL)" in shown
+    assert "-1" not in listed.stdout + shown
+
+
+def test_release_without_a_lease_says_so_without_asking(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    done = celery_lock_cli(worker_env, "release", "storm.process:3", "--force")  # no answer
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "no lease at celery-lock:{storm.process:3}:lock"
+    assert "[y/N]" not in done.stderr
+
+
+def test_release_asks_naming_the_holder_its_worker_and_how_long_it_has_held_it(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    lease = take(store, 3, "task-3")
+    done = celery_lock_cli(worker_env, "release", "storm.process:3", "--force", stdin="y\n")
+    assert done.returncode == 0, done.stderr
+    prompt = f"Release {lease.keys.lock}, held by task-3 (storm.process) on host-a:4242 for "
+    assert prompt in done.stderr
+    assert "s left)? [y/N]" in done.stderr
+    assert done.stdout.strip() == f"released {lease.keys.lock}"
+
+
+def test_release_deletes_only_the_lease_it_asked_about(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    first = take(store, 3, "task-3")
+    with subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.apps.storm_app", "lock", "release",
+         "storm.process:3", "--force"],
+        env={**os.environ, **worker_env}, cwd=ROOT, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    ) as asking:  # fmt: skip
+        try:
+            assert asking.stderr is not None
+            asked = b""
+            while b"[y/N]: " not in asked:
+                chunk = os.read(asking.stderr.fileno(), 4096)
+                assert chunk, asked
+                asked += chunk
+            assert b"held by task-3" in asked
+            # While the user reads the question, the lease lapses and another copy takes it.
+            store.client.delete(first.keys.lock)
+            second = take(store, 3, "task-4")
+            out, err = asking.communicate(b"y\n", timeout=60)
+        finally:
+            if asking.poll() is None:
+                asking.kill()
+    assert asking.returncode == 1, out
+    assert b"changed hands" in err
+    assert store.client.get(second.keys.lock) is not None
+
+
+@pytest.mark.parametrize("how", ["wrong password", "no password"])
+def test_a_failed_login_is_reported_as_such(
+    worker_env: dict[str, str], ping_only_url: str, how: str
+) -> None:
+    if how == "wrong password":
+        done = celery_lock_cli(worker_env, "--url", ping_only_url.replace(":pw@", ":nope@"), "ls")
+    else:
+        with RedisServer(extra_args=["--requirepass", "secret"]) as server:
+            done = celery_lock_cli(worker_env, "--url", f"redis://127.0.0.1:{server.port}/0", "ls")
+    assert done.returncode == 1
+    assert "cannot log in to the lock store" in done.stderr
+    assert "cannot reach" not in done.stderr
+    assert "Traceback" not in done.stderr
