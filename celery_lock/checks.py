@@ -5,13 +5,15 @@
 * a heartbeat interval above half the lease TTL: one late beat and the lease lapses;
 * a lock store that may evict keys (``maxmemory`` with a policy other than ``noeviction``):
   an evicted lease lets a second copy in while the first still runs;
+* a lock store that cannot be reached (or refuses the user or password): until it can, tasks
+  are deferred (or fail); a warning, since it may come up later;
 * a setting that lost its ``celery_`` prefix (``lock_ttl`` in ``app.conf``), which nothing
   reads. (Django's ``config_from_object("django.conf:settings", namespace="CELERY")`` shows a
   ``CELERY_LOCK_TTL`` setting as ``lock_ttl`` too, but it is read, as ``CELERY_LOCK_TTL``: see
   :meth:`celery_lock.LockSettings.resolve`.)
 
-Each check reads settings, plus one ``CONFIG GET`` on the lock store (skipped where the server
-refuses it, as managed services often do).
+Each check reads settings, plus one ``CONFIG GET`` on the lock store (the eviction check is
+skipped where the server refuses it, as managed services often do).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import redis
 from celery import Celery
 
 from .config import LockSettings, conf_value
-from .store import LockStore
+from .runtime import first_broker_url
+from .store import REFUSED_ERRORS, TRANSIENT_ERRORS, LockStore, address_of
 
 __all__ = ["misnamed_settings", "settings_warnings", "store_warnings", "warn_at_startup"]
 
@@ -46,7 +49,7 @@ _VISIBILITY_TRANSPORTS = {
 
 
 def _visibility_timeout(app: Celery) -> float | None:
-    broker = str(app.conf.broker_url or "")
+    broker = first_broker_url(app)  # the first of failover brokers: kombu starts there
     default = _VISIBILITY_TRANSPORTS.get(broker.split("://", 1)[0].lower())
     if default is None:
         return None
@@ -88,10 +91,22 @@ def misnamed_settings(conf: Mapping[str, Any]) -> list[str]:
 
 
 def store_warnings(store: LockStore) -> list[str]:
-    """Whether the lock store may evict leases; empty if it cannot tell."""
+    """Whether the lock store cannot be reached, or may evict leases; empty if it cannot
+    tell."""
+    address = address_of(store.client)
     try:
         config: dict[Any, Any] = store.client.config_get("maxmemory*")
-    except redis.RedisError:
+    except REFUSED_ERRORS as exc:  # connection errors too: test them first
+        return [
+            f"lock store {address} refused the user or password: {_text(exc)}; tasks will fail "
+            "until the lock store URL has the right ones"
+        ]
+    except TRANSIENT_ERRORS as exc:
+        return [
+            f"lock store {address} not reachable: {_text(exc)}; tasks will be deferred (or run "
+            "unlocked under fail_open) until it is"
+        ]
+    except redis.RedisError:  # CONFIG denied (a managed service, an ACL): cannot tell
         return []
     policy = str(config.get("maxmemory-policy", "noeviction"))
     if int(config.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
@@ -100,6 +115,10 @@ def store_warnings(store: LockStore) -> list[str]:
             "a second copy run; use maxmemory-policy noeviction"
         ]
     return []
+
+
+def _text(exc: BaseException) -> str:
+    return str(exc).rstrip(".")  # redis-py ends some messages with a full stop; ours go on
 
 
 def warn_at_startup(app: Celery, stores: dict[str, LockStore]) -> list[str]:

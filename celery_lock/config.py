@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
+import redis
 from redis import connection
 
 from .exceptions import ConfigurationError
@@ -43,9 +44,12 @@ _parse_redis_url: Callable[[str], dict[str, Any]] = connection.parse_url
 def validate_redis_url(setting: str, url: str) -> str:
     """Return ``url`` if redis-py can connect with it, else raise :class:`ConfigurationError`.
 
-    The URL is parsed as ``redis.Redis.from_url`` parses it, so what passes here does not fail
-    there: ``redis://`` and ``redis:///0`` are localhost, and a query argument redis-py cannot
-    read (``?socket_timeout=abc``) is refused here instead of when the first task connects.
+    The URL is parsed as ``redis.Redis.from_url`` parses it, and one connection object is built
+    from it (without connecting), so what passes here does not fail there: ``redis://`` and
+    ``redis:///0`` are localhost, and a query argument redis-py cannot read
+    (``?socket_timeout=abc``) or cannot use (``?ssl_cert_reqs=CERT_REQUIRED``, ``?protocol=4``)
+    is refused here instead of when the first task connects. So is ``?max_connections=1``:
+    the lock store keeps one connection for itself and the heartbeat needs another.
     """
     if not isinstance(url, str) or not url:
         raise ConfigurationError(setting, f"expected a redis:// URL, got {url!r}")
@@ -60,7 +64,40 @@ def validate_redis_url(setting: str, url: str) -> str:
         raise ConfigurationError(setting, f"malformed URL: {exc}") from exc
     if scheme == "unix" and not options.get("path"):
         raise ConfigurationError(setting, "the unix:// URL names no socket path")
+    problem = _connection_problem(url)
+    if problem is not None:
+        raise ConfigurationError(setting, problem)
     return url
+
+
+@lru_cache(maxsize=64)
+def _connection_problem(url: str) -> str | None:
+    """What redis-py refuses when it builds a connection pool and a connection for ``url``;
+    ``None`` if nothing.
+
+    redis-py checks some query arguments only there (``ssl_cert_reqs``, ``protocol``, an
+    argument it does not know), when the first command connects. The connection is built and
+    dropped without I/O to the server; cached per URL, since building one reads redis-py's
+    package metadata (about half a millisecond).
+    """
+    try:
+        pool = redis.ConnectionPool.from_url(url)
+        pool.make_connection()
+    except (redis.RedisError, ValueError, TypeError) as exc:
+        # redis-py's message, never the URL itself: it may hold a password.
+        text = str(exc)
+        hint = ""
+        if "ssl_cert_reqs" in text or "Certificate Requirements" in text:
+            # CERT_REQUIRED is how Celery's own settings (and error messages) spell it.
+            hint = " (redis-py spells ssl_cert_reqs none, optional or required, on rediss:// only)"
+        return f"redis-py cannot connect with this URL: {text}{hint}"
+    if pool.max_connections < 2:
+        return (
+            f"max_connections={pool.max_connections} is too few: the lock store keeps one "
+            "connection of each process for itself, and the heartbeat needs another (a threads "
+            "pool one more per thread); use at least 2, or leave it out"
+        )
+    return None
 
 
 def conf_value(conf: Mapping[str, Any], setting: str) -> tuple[Any, str]:
@@ -103,10 +140,19 @@ def _flag(setting: str, value: Any) -> bool:
     return value
 
 
+#: What a key prefix must not contain, and how an error names it: a brace would change the
+#: hash tag Redis Cluster places the keys of a request by.
+_REFUSED_IN_PREFIX = {"{": "a brace", "}": "a brace", " ": "a space", "\n": "a newline"}
+
+
 def _prefix(setting: str, value: Any) -> str:
-    if not isinstance(value, str) or not value or any(c in value for c in "{} \n"):
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(setting, f"must be a non-empty string, got {value!r}")
+    found = list(dict.fromkeys(_REFUSED_IN_PREFIX[c] for c in value if c in _REFUSED_IN_PREFIX))
+    if found:
         raise ConfigurationError(
-            setting, f"must be a non-empty string without braces, got {value!r}"
+            setting,
+            f"must not contain braces, spaces or newlines, got {value!r} ({', '.join(found)})",
         )
     return value
 

@@ -26,13 +26,24 @@ _ATTRIBUTE = "_celery_lock_runtime"
 _create_guard = threading.Lock()
 
 
+def first_broker_url(app: Celery) -> str:
+    """The broker URL Celery connects to first, as kombu reads ``broker_url``: the first of a
+    list (failover brokers), and of that the part before a ``;`` (the string form of the list);
+    ``""`` when there is none."""
+    broker: Any = app.conf.broker_url or ""
+    if isinstance(broker, (list, tuple)):
+        broker = broker[0] if broker else ""
+    return broker.split(";", 1)[0] if isinstance(broker, str) else ""
+
+
 def lock_store_url(app: Celery, settings: LockSettings) -> str:
-    """The lock store URL: ``celery_lock_redis_url``, else the broker URL when it is Redis."""
+    """The lock store URL: ``celery_lock_redis_url``, else the broker URL when it is Redis
+    (the first URL, where ``broker_url`` lists failover brokers)."""
     if settings.redis_url:
         return settings.redis_url
-    broker = app.conf.broker_url or ""
-    if isinstance(broker, str) and broker.split("://", 1)[0] in ("redis", "rediss", "unix"):
-        return validate_redis_url("broker_url", broker.split(";", 1)[0])
+    broker = first_broker_url(app)
+    if broker.split("://", 1)[0] in ("redis", "rediss", "unix"):
+        return validate_redis_url("broker_url", broker)
     raise ConfigurationError(
         "celery_lock_redis_url",
         "not set, and the broker is not Redis: set it to the lock store's redis:// URL",

@@ -6,14 +6,16 @@ tenacity (bounded, jittered) before raising an error:
 
 - :class:`~celery_lock.exceptions.LockStoreUnavailableError` when the store stayed unreachable or
   kept refusing for now (connection errors, timeouts, ``LOADING``, ``READONLY``, ``OOM``,
-  ``BUSY``, ``MASTERDOWN``, ``TRYAGAIN``, ``CLUSTERDOWN``, ``NOREPLICAS``): worth trying later;
+  ``BUSY``, ``MASTERDOWN``, ``TRYAGAIN``, ``CLUSTERDOWN``, ``NOREPLICAS``, ``MISCONF``): worth
+  trying later;
 - :class:`~celery_lock.exceptions.LockStateError` when a key of the request holds something
   celery-lock did not write (``WRONGTYPE``, a fence that is not an integer, a lock that is not
   ``"<token> <fence> <holder>"`` or has no TTL): trying again cannot help; the message names
   the key and what it holds;
 - :class:`~celery_lock.exceptions.LockStoreError` for any other error reply (``NOPERM``, an
-  unknown command) and for a wrong user or password (``WRONGPASS``, ``NOAUTH``, which redis-py
-  raises as connection errors): not transient either.
+  unknown command), for a wrong user or password (``WRONGPASS``, ``NOAUTH``, which redis-py
+  raises as connection errors) and for any other error of redis-py (a connection it refuses to
+  build): not transient either.
 
 Scripts run by ``EVALSHA``; a ``NOSCRIPT`` reply (the server restarted or flushed its scripts) is
 answered by loading the script and running it once more, for acquire and release as for the
@@ -94,9 +96,21 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
 #: then the task fails: deferring cannot help.
 REFUSED_ERRORS: tuple[type[Exception], ...] = (AuthenticationError, AuthorizationError)
 
-#: Error codes of replies that mean "not now" rather than "never".
+#: Error codes of replies that mean "not now" rather than "never". ``MISCONF``: the server's
+#: last save to disk failed and ``stop-writes-on-bgsave-error`` is on; it refuses writes (and
+#: ``PING``) until a save succeeds, which it tries again by itself.
 TRANSIENT_CODES = frozenset(
-    {"LOADING", "READONLY", "OOM", "BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "NOREPLICAS"}
+    {
+        "LOADING",
+        "READONLY",
+        "OOM",
+        "BUSY",
+        "MASTERDOWN",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+        "NOREPLICAS",
+        "MISCONF",
+    }
 )
 _TRANSIENT_REPLY_CLASSES = (
     ReadOnlyError,
@@ -133,7 +147,8 @@ _DEMOTED_CODES = frozenset({"READONLY", "MASTERDOWN"})
 
 def is_transient_reply(exc: redis.ResponseError) -> bool:
     """Whether an error reply means "not now" (the server is loading, read-only after a
-    failover, out of memory, busy running a script, or its cluster is reconfiguring)."""
+    failover, out of memory, busy running a script, its cluster is reconfiguring, or it refuses
+    writes until a save to disk succeeds)."""
     return isinstance(exc, _TRANSIENT_REPLY_CLASSES) or reply_code(exc) in TRANSIENT_CODES
 
 
@@ -238,7 +253,7 @@ class LockStore:
             "celery-lock: the lock store %s restarted (run_id %s -> %s): unless it persists its "
             "data, leases and done-markers were lost and fences may have gone back to 1; a "
             "store that checks fences may refuse writes until they pass the highest it saw",
-            _address(self.client),
+            address_of(self.client),
             previous,
             run_id,
         )
@@ -249,7 +264,7 @@ class LockStore:
             logger.info(
                 "celery-lock: scripts are gone from the lock store %s (restart or SCRIPT FLUSH); "
                 "loading them again",
-                _address(self.client),
+                address_of(self.client),
             )
             self.check_server()
 
@@ -325,7 +340,7 @@ class LockStore:
         if isinstance(exc, (ReadOnlyError, MasterDownError)) or reply_code(exc) in _DEMOTED_CODES:
             logger.warning(
                 "celery-lock: the lock store %s is no longer a primary (%s); reconnecting",
-                _address(self.client),
+                address_of(self.client),
                 exc,
             )
             # The held connection, unless another thread is using it (it will meet the same
@@ -368,6 +383,11 @@ class LockStore:
                     f"{what} refused: {problem} (server said: {exc})", lock_name=lock_name, key=key
                 ) from exc
             raise LockStoreError(f"{what} got an error reply: {exc}", lock_name=lock_name) from exc
+        except redis.RedisError as exc:
+            # Neither a reply nor a connection failure: redis-py refused to build a connection
+            # (a URL option it cannot use), say. Still a LockStoreError, which callers handle:
+            # a release that raised anything else would fail the task it ends.
+            raise LockStoreError(f"{what} failed: {exc}", lock_name=lock_name) from exc
 
     def _retry(
         self,
@@ -499,7 +519,15 @@ class LockStore:
             return list(pipe.execute(raise_on_error=False))
 
         def run() -> list[Any]:
-            replies = send()
+            try:
+                replies = send()
+            except redis.ResponseError as exc:
+                # An error reply before the pipeline's own: the health check's PING (on a
+                # connection idle for its interval) refused with MISCONF, say.
+                if is_transient_reply(exc):
+                    self._leave_if_demoted(exc)
+                    raise TransientReplyError(str(exc)) from exc
+                raise
             if any(isinstance(reply, NoScriptError) for reply in replies):
                 self._scripts_missing(extend)
                 self._load(extend)
@@ -547,7 +575,8 @@ def _check_out(pool: Any) -> Any:
         return pool.get_connection("EVALSHA")
 
 
-def _address(client: redis.Redis) -> str:
+def address_of(client: redis.Redis) -> str:
+    """Where ``client`` connects, for messages: ``host:port`` or ``unix://path``."""
     kwargs = client.connection_pool.connection_kwargs
     if "path" in kwargs:
         return f"unix://{kwargs['path']}"

@@ -18,6 +18,7 @@ from celery_lock.checks import misnamed_settings, settings_warnings
 from celery_lock.config import MAX_SECONDS
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.runtime import lock_store_url
 from celery_lock.store import LockStore
 
 # One valid, non-default value per setting, and the value it resolves to.
@@ -75,6 +76,9 @@ INVALID = [
     ("redis_url", "redis://host:99999"),
     ("redis_url", "redis://localhost:6379/0?socket_timeout=abc"),
     ("redis_url", "redis://localhost/0?db=two"),
+    ("redis_url", "rediss://localhost/0?ssl_cert_reqs=CERT_REQUIRED"),
+    ("redis_url", "redis://localhost/0?protocol=4"),
+    ("redis_url", "redis://localhost/0?max_connections=1"),
     ("redis_url", "unix://"),
     ("redis_url", ""),
     ("redis_url", 6379),
@@ -151,9 +155,12 @@ def test_numeric_strings_are_seconds() -> None:
         "redis://",  # redis-py: localhost
         "redis:///0",
         "redis://h/0?socket_timeout=5",
+        "rediss://h/0?ssl_cert_reqs=required",
+        "redis://h/0?protocol=3&max_connections=2",
     ],
 )
 def test_redis_urls_redis_py_accepts_are_valid(url: str) -> None:
+    # Checked without I/O: there is no host h.
     assert LockSettings.resolve({"celery_lock_redis_url": url}).redis_url == url
     redis.Redis.from_url(url).close()  # and redis-py does accept it
 
@@ -164,6 +171,89 @@ def test_a_url_redis_py_cannot_read_is_a_configuration_error_not_a_value_error()
         redis.Redis.from_url(url)
     with pytest.raises(ConfigurationError, match=r"^celery_lock_redis_url: malformed URL: "):
         LockSettings.resolve({"celery_lock_redis_url": url})
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        # How Celery's own settings spell it, and what its Redis backend's error message asks for.
+        (
+            "rediss://h/0?ssl_cert_reqs=CERT_REQUIRED",
+            "Invalid SSL Certificate Requirements Flag: CERT_REQUIRED (redis-py spells "
+            "ssl_cert_reqs none, optional or required, on rediss:// only)",
+        ),
+        ("redis://h/0?protocol=4", "protocol must be either 2 or 3"),
+        (
+            "redis://h/0?ssl_cert_reqs=required",
+            "unexpected keyword argument 'ssl_cert_reqs' (redis-py spells ssl_cert_reqs none, "
+            "optional or required, on rediss:// only)",
+        ),
+    ],
+)
+def test_a_url_redis_py_will_not_connect_with_is_refused_up_front(url: str, problem: str) -> None:
+    """redis-py reads these URLs, and refuses them only as it builds the first connection: every
+    task would fail (a RedisError, not a LockStoreError) or defer for ever (a ConnectionError)."""
+    client = redis.Redis.from_url(url)
+    with pytest.raises((redis.RedisError, TypeError)):
+        client.ping()  # refused as the first command builds its connection
+    client.close()
+    with pytest.raises(ConfigurationError) as raised:
+        LockSettings.resolve({"celery_lock_redis_url": url})
+    assert raised.value.setting == "celery_lock_redis_url"
+    assert raised.value.problem.startswith("redis-py cannot connect with this URL: ")
+    assert problem in raised.value.problem
+
+
+def test_a_lock_store_pool_of_one_connection_is_refused_saying_why(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    """The store holds one connection of its pool for good: with one in all, the heartbeat's
+    extend finds none, and its leases would be lost while their tasks run."""
+    url = f"{lock_url}?max_connections=1"
+    store = LockStore.from_url(url)
+    try:
+        # Loaded beforehand: loading them (after NOSCRIPT) would take a second connection too.
+        for script in (store.scripts.acquire, store.scripts.extend):
+            lock_redis.script_load(script.script)
+        keys = RequestKeys.build("celery-lock", "config_tests.t", "7", "config_tests.t")
+        holder, token = Holder("id-1", "config_tests.t", "h", 1), new_token()
+        assert store.acquire(keys, token, 60_000, holder, 60_000) == Acquired(fence=1)
+        with pytest.raises(redis.ConnectionError, match="Too many connections"):
+            store.extend_all([Lease(store, keys, token, 60_000, 1, holder)])
+    finally:
+        store.client.close()
+    with pytest.raises(ConfigurationError) as raised:
+        LockSettings.resolve({"celery_lock_redis_url": url})
+    assert raised.value.problem == (
+        "max_connections=1 is too few: the lock store keeps one connection of each process for "
+        "itself, and the heartbeat needs another (a threads pool one more per thread); use at "
+        "least 2, or leave it out"
+    )
+    assert LockSettings.resolve({"celery_lock_redis_url": f"{lock_url}?max_connections=2"})
+
+
+@pytest.mark.parametrize(
+    ("prefix", "found"),
+    [
+        ("my locks", "a space"),
+        ("{locks}", "a brace"),
+        ("locks\n", "a newline"),
+        ("my {locks}", "a space, a brace"),
+    ],
+)
+def test_a_key_prefix_refused_for_what_it_contains_names_it(prefix: str, found: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        LockSettings.resolve({"celery_lock_key_prefix": prefix})
+    assert raised.value.problem == (
+        f"must not contain braces, spaces or newlines, got {prefix!r} ({found})"
+    )
+
+
+@pytest.mark.parametrize("prefix", ["", 5])
+def test_a_key_prefix_that_is_no_string_or_empty_is_named_so(prefix: Any) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        LockSettings.resolve({"celery_lock_key_prefix": prefix})
+    assert raised.value.problem == f"must be a non-empty string, got {prefix!r}"
 
 
 @pytest.mark.parametrize("name", ["ttl", "heartbeat_interval", "done_ttl"])
@@ -314,13 +404,16 @@ def test_task_heartbeat_interval_is_checked_against_the_conf_ttl(app: Celery) ->
         ("redis://h:6379/0", 3600),
         ("rediss://h:6379/0", 3600),
         ("sentinel://h:26379;sentinel://h2:26379", 3600),
+        (["redis://h:6379/0", "redis://h2:6379/0"], 3600),  # failover brokers, as a list
         ("sqs://", 1800),
         ("SQS://", 1800),
         ("slmq://", 1800),
         ("pgmq://", 1800),
     ],
 )
-def test_a_done_ttl_below_kombus_visibility_timeout_is_warned(broker: str, visibility: int) -> None:
+def test_a_done_ttl_below_kombus_visibility_timeout_is_warned(
+    broker: str | list[str], visibility: int
+) -> None:
     app = Celery("config_tests", broker=broker, set_as_current=False)
     below = LockSettings(done_ttl=visibility - 1)
     [warning] = settings_warnings(app, "t", below)
@@ -334,6 +427,43 @@ def test_a_done_ttl_below_kombus_visibility_timeout_is_warned(broker: str, visib
 def test_no_visibility_warning_where_the_broker_has_no_visibility_timeout(broker: str) -> None:
     app = Celery("config_tests", broker=broker, set_as_current=False)
     assert settings_warnings(app, "t", LockSettings(done_ttl=1)) == []
+
+
+@pytest.mark.parametrize(
+    "broker",
+    [
+        ["redis://a:6379/0", "redis://b:6379/0"],
+        ("redis://a:6379/0",),
+        "redis://a:6379/0;redis://b:6379/0",
+        ["redis://a:6379/0;redis://b:6379/0", "redis://c:6379/0"],
+    ],
+    ids=repr,
+)
+def test_the_lock_store_is_the_first_of_failover_redis_brokers(broker: Any) -> None:
+    """``broker_url`` as a list, or as a ``;``-separated string: Celery connects to the first
+    first, and so does the lock store, where no ``celery_lock_redis_url`` is set."""
+    app = Celery("config_tests", broker=broker, set_as_current=False)
+    assert lock_store_url(app, LockSettings()) == "redis://a:6379/0"
+    assert lock_store_url(app, LockSettings(redis_url="redis://l/0")) == "redis://l/0"
+
+
+@pytest.mark.parametrize("broker", [["amqp://guest@h//", "redis://b:6379/0"], [], "memory://"])
+def test_failover_brokers_that_start_with_no_redis_give_no_lock_store(broker: Any) -> None:
+    app = Celery("config_tests", broker=broker, set_as_current=False)
+    with pytest.raises(ConfigurationError, match="not set, and the broker is not Redis"):
+        lock_store_url(app, LockSettings())
+
+
+def test_an_unreachable_lock_store_is_warned_about() -> None:
+    store = LockStore.from_url("redis://127.0.0.1:1/0")
+    try:
+        [warning] = checks.store_warnings(store)
+    finally:
+        store.client.close()
+    assert warning.startswith("lock store 127.0.0.1:1 not reachable: Error ")
+    assert warning.endswith(
+        "; tasks will be deferred (or run unlocked under fail_open) until it is"
+    )
 
 
 @pytest.mark.parametrize("module", [config, checks], ids=lambda m: m.__name__)

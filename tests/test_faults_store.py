@@ -6,7 +6,8 @@ its own (``lock_server``), so a test can stop, restart or pause it without touch
 - Down when a task arrives: transient errors are retried (bounded, jittered), then the task
   fails closed: deferred, never run unlocked, and run exactly once after the store returns
   (real ``celery worker -P prefork`` on ``tests/apps/store_app.py``); ``fail_open`` runs the
-  body unlocked with a warning per run.
+  body unlocked with a warning per run. A store whose save to disk failed (``MISCONF``) is
+  down for now too, until a save succeeds.
 - Down mid-run: the heartbeat cannot extend; after a whole TTL unconfirmed the lease is lost
   (signal, ``request.lock_lost``); the release fails and is logged; the task still succeeds.
 - Ambiguous replies: a reply lost after the write (a TCP proxy that runs the command but drops
@@ -58,7 +59,7 @@ from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, encode_lock, new_token
 from celery_lock.runtime import reset_runtime
 from celery_lock.scripts import RELEASE
-from celery_lock.store import LockStore
+from celery_lock.store import LockStore, TransientReplyError
 from celery_lock.testing import CeleryWorker, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -359,6 +360,90 @@ def test_busy_reply_is_transient_not_state(lock_server: RedisServer, store: Lock
     assert acquire(store, new_token()) == Acquired(fence=1)  # served again once it is over
 
 
+def _bgsave(admin: redis.Redis, status: str) -> None:
+    """BGSAVE, and wait (bounded) until it is over and ended with ``status``."""
+    admin.bgsave()
+
+    def over() -> bool:
+        info = admin.info("persistence")
+        return not info["rdb_bgsave_in_progress"] and info["rdb_last_bgsave_status"] == status
+
+    wait_for(f"a BGSAVE that ends {status}", over, TIMEOUT)
+
+
+def fail_saves(admin: redis.Redis) -> Path:
+    """Make a save to disk fail, as a full disk would, and return what to remove to repair it.
+
+    With a save rule (here one never due) and ``stop-writes-on-bgsave-error yes`` (Redis's
+    default), a server whose last save failed answers ``MISCONF`` to writes and to ``PING``
+    until a save succeeds. A directory in the place of the dump file fails the save's last
+    step (its rename), whoever runs the test: a read-only directory would not stop root.
+    """
+    admin.config_set("save", "3600 1")  # without a rule, a failed save stops no writes
+    dump = Path(admin.config_get("dir")["dir"], admin.config_get("dbfilename")["dbfilename"])
+    dump.mkdir()
+    _bgsave(admin, "err")
+    with pytest.raises(redis.ResponseError, match=r"^MISCONF"):
+        admin.ping()  # the server does refuse now
+    return dump
+
+
+def repair_saves(admin: redis.Redis, dump: Path) -> None:
+    """Let the next save succeed, and run it: the server takes writes again."""
+    dump.rmdir()
+    _bgsave(admin, "ok")
+    assert admin.ping()
+
+
+def test_misconf_after_a_failed_save_is_transient_and_clears_with_a_good_save(
+    lock_server: RedisServer, store: LockStore, admin: redis.Redis
+) -> None:
+    """MISCONF is "not now": Redis takes writes again by itself once a save succeeds. Acquire
+    and release are unavailable (a task defers, not fails unrun), and the heartbeat leaves a
+    lease unconfirmed, not lost. The script's own reply and the health check's PING (on a
+    connection idle for its interval) are both refusals for now."""
+    token = new_token()
+    # A TTL no test run outlasts: the heartbeat below must not lose it for being unconfirmed.
+    assert store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS) == Acquired(fence=1)
+    lease = Lease(store, KEYS, token, 600_000, 1, HOLDER)
+    # A health check before every command: each comes more than a nanosecond after the last.
+    checked = LockStore(
+        redis.Redis.from_url(
+            lock_server.url, health_check_interval=1e-9, retry=Retry(NoBackoff(), 0)
+        )
+    )
+    other = RequestKeys.build("celery-lock", "shop.process", "43", "shop.process")
+    try:
+        assert checked.extend_all([lease]) == [True]  # connected before saves fail
+        dump = fail_saves(admin)
+        with pytest.raises(LockStoreUnavailableError, match="MISCONF"):
+            acquire(store, new_token(), other)
+        with pytest.raises(TransientReplyError, match="MISCONF"):  # the extend's own reply
+            store.extend_all([lease])
+        with pytest.raises(TransientReplyError, match="MISCONF"):  # the health check's PING
+            checked.extend_all([lease])
+        with pytest.raises(LockStoreUnavailableError, match="MISCONF"):
+            acquire(checked, new_token(), other)
+        heartbeat = Heartbeat()
+        heartbeat.add(lease, 60.0)  # its thread waits 60 s: the beat below is the only one
+        try:
+            heartbeat.beat()
+        finally:
+            heartbeat.stop()
+        assert not lease.lost
+        with pytest.raises(LockStoreUnavailableError, match="MISCONF"):
+            store.release(lease, success=True, done_ttl_ms=60_000)
+
+        repair_saves(admin, dump)
+        assert acquire(store, new_token(), other) == Acquired(fence=1)
+        assert checked.extend_all([lease]) == [True]
+        assert store.extend_all([lease]) == [True]
+        assert store.release(lease, success=True, done_ttl_ms=60_000) is True
+    finally:
+        checked.client.close()
+    assert admin.get(KEYS.done) == b"task-1"
+
+
 @pytest.fixture
 def store_env(redis_server: RedisServer, lock_server: RedisServer) -> dict[str, str]:
     """store_app environment: broker, backend and record on the session server (emptied),
@@ -476,6 +561,25 @@ def test_fail_closed_in_process_defers_with_reason_and_runs_once_when_back(
     assert [run["fence"] for run in bodies.runs] == [1]
     countdowns = [round(d["countdown"], 2) for d in deferred]
     assert countdowns[1] > countdowns[0]  # backs off: no lease TTL caps the wait
+
+
+def test_a_task_defers_while_saves_fail_and_runs_once_a_save_succeeds(
+    admin: redis.Redis,
+    worker: Any,
+    tasks: dict[str, Any],
+    bodies: Bodies,
+    deferred: list[dict[str, Any]],
+) -> None:
+    """Fail closed under MISCONF: the copy is deferred, not failed unrun (and acked, lost)."""
+    dump = fail_saves(admin)
+    result = tasks["work"].delay(7)
+    wait_for("a deferral", lambda: deferred or result.ready(), TIMEOUT)
+    assert result.state == "RETRY"  # not FAILURE
+    assert bodies.runs == []
+    repair_saves(admin, dump)
+    assert result.get(timeout=TIMEOUT) == 7
+    assert [run["fence"] for run in bodies.runs] == [1]
+    assert {d["reason"] for d in deferred} == {"store-unavailable"}
 
 
 # -- 2. the lock store goes down mid-run -----------------------------------------------------
@@ -865,6 +969,23 @@ def test_other_error_replies_fail_without_retry(
     finally:
         denied.client.close()
     assert not isinstance(caught.value, (LockStoreUnavailableError, LockStateError))
+    assert logs.messages(logging.INFO, "trying again") == []
+
+
+def test_an_error_of_redis_py_that_is_no_reply_is_a_lock_store_error(logs: Records) -> None:
+    """A URL redis-py parses but will not build a connection from (``ssl_cert_reqs`` spelled
+    as Celery spells it; LockStore.from_url does not validate): a plain RedisError. It must be
+    a LockStoreError still, or fail_open and "a release never fails the task" would not apply."""
+    store = LockStore.from_url("rediss://127.0.0.1:1/0?ssl_cert_reqs=CERT_REQUIRED")
+    token = new_token()
+    try:
+        with pytest.raises(LockStoreError, match="acquire failed: Invalid SSL") as caught:
+            acquire(store, token)
+        assert not isinstance(caught.value, LockStoreUnavailableError)
+        with pytest.raises(LockStoreError, match="release failed: Invalid SSL"):
+            store.release(Lease(store, KEYS, token, TTL_MS, 1, HOLDER), success=True, done_ttl_ms=1)
+    finally:
+        store.client.close()
     assert logs.messages(logging.INFO, "trying again") == []
 
 

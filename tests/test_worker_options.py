@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -125,3 +126,18 @@ def test_lock_on_duplicate_option_overrides_conf(
     [run] = [json.loads(raw) for raw in records.lrange("storm:runs", 0, -1)]
     assert run["ttl"] == 7.0
     records.close()
+
+
+def test_a_lock_store_not_reachable_at_start_is_warned_about_and_the_worker_starts(
+    worker: Any,
+) -> None:
+    """Every task would be deferred without a word at start: one warning says why. A warning,
+    not a refusal: the store may come up later."""
+    started = worker("--lock-redis-url", "redis://localhost:1/0")  # ready: it did start
+    log = started.log()
+    assert log.count("not reachable") == 1, log  # one store: the app's and its tasks'
+    assert re.search(
+        r"WARNING.*celery-lock: lock store localhost:1 not reachable: .+; tasks will be deferred "
+        r"\(or run unlocked under fail_open\) until it is",
+        log,
+    ), log
