@@ -51,6 +51,20 @@ class LockStep(bootsteps.Step):
     name = "celery-lock"
 
     def __init__(self, parent: Any, **options: Any) -> None:
+        try:
+            self._start(parent, options)
+            super().__init__(parent, **options)
+            self._check(parent.app)
+        except ConfigurationError as exc:
+            if click.get_current_context(silent=True) is None:
+                raise  # a worker started from Python (app.Worker, start_worker): a typed error
+            # From `celery worker`: one line naming the setting, exit status 1, as Click
+            # reports an error, rather than a traceback.
+            raise click.ClickException(f"celery-lock: {exc}") from exc
+
+    @staticmethod
+    def _start(parent: Any, options: dict[str, Any]) -> None:
+        """Apply the worker options to the app's settings, and resolve them."""
         app: Celery = parent.app
         given: dict[str, tuple[str, Any]] = {}  # setting -> (option's flag, its value)
         for option, setting in WORKER_OPTIONS.items():
@@ -66,8 +80,6 @@ class LockStep(bootsteps.Step):
             app.conf.worker_send_task_events = bool(parent.task_events)
         LockSettings.resolve(app.conf)
         reset_runtime(app)
-        super().__init__(parent, **options)
-        self._check(app)
 
     @staticmethod
     def _check(app: Celery) -> None:

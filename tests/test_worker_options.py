@@ -80,6 +80,21 @@ def test_worker_option_contradicting_the_conf_is_a_one_line_usage_error(
     assert "Traceback" not in done.stderr + done.stdout
 
 
+@pytest.mark.parametrize(
+    ("conf", "problem"),
+    [({"celery_lock_ttl": -5}, "celery_lock_ttl: must be a positive number of seconds, got -5"),
+     ({"celery_lock_on_duplicate": "drop"}, "celery_lock_on_duplicate: must be one of")],
+)  # fmt: skip
+def test_an_invalid_setting_of_the_app_stops_the_worker_with_one_line(
+    worker_env: dict[str, str], conf: dict[str, Any], problem: str
+) -> None:
+    env = {**os.environ, **worker_env, "STORM_CONF": json.dumps(conf)}
+    done = celery("worker", "--pool", "solo", env=env)
+    assert done.returncode == 1, done.stderr
+    assert f"Error: celery-lock: {problem}" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
 def test_worker_option_contradicting_a_task_option_names_both() -> None:
     app = Celery("options_tests", broker="memory://", set_as_current=False)
     app.conf.celery_lock_redis_url = "redis://127.0.0.1:1/0"
