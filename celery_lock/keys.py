@@ -375,8 +375,8 @@ class KeyDeriver:
             ) from exc
         if leaves and all(leaf is None for leaf in leaves):
             raise LockKeyError(
-                f"lock_key {spec!r} cannot be made of None alone, which the call passes for "
-                f"each of its fields",
+                f"lock_key {spec!r} cannot be made of None alone: every value it reaches in "
+                f"the call is None",
                 task_name=self.task_name,
             )
         return safe_key_part(text)

@@ -384,9 +384,9 @@ class LockStore:
                 ) from exc
             raise LockStoreError(f"{what} got an error reply: {exc}", lock_name=lock_name) from exc
         except redis.RedisError as exc:
-            # Neither a reply nor a connection failure: redis-py refused to build a connection
-            # (a URL option it cannot use), say. Still a LockStoreError, which callers handle:
-            # a release that raised anything else would fail the task it ends.
+            # Neither a reply nor a connection failure (validated URLs leave few such errors).
+            # Still a LockStoreError, which callers handle: a release that raised anything
+            # else would fail the task it ends.
             raise LockStoreError(f"{what} failed: {exc}", lock_name=lock_name) from exc
 
     def _retry(

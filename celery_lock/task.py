@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 from celery import Signature, Task
 from celery._state import _task_stack  # type: ignore[attr-defined]
 from celery.app.task import Context
-from celery.canvas import maybe_signature
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import signals
@@ -249,7 +248,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
             LockKeyError: the call lacks an argument the key is made of; nothing is published.
                 Except for the next step of a canvas, which a worker sends (with a
                 ``parent_id``) once its parent has succeeded: raised there, the error would
-                fail the parent, so the step is published and fails on the worker, unrun.
+                fail the parent, so the step is published and fails on the worker, unrun. (A
+                caller that passes ``parent_id`` itself is taken for such a step.)
         """
         if self._lock_deriver is not None:
             try:
@@ -452,51 +452,25 @@ class LockedTask(Task):  # type: ignore[type-arg]
             self._release(lease, settings, heartbeat, success=success)
 
     def on_replace(self, sig: Signature[Any]) -> Any:
-        """Hand the request on to ``sig``: release this run's lease, then send ``sig`` as
-        Celery does.
+        """Hand the request on to ``sig``: release this run's lease (no done-marker), then send
+        ``sig`` as Celery does.
 
         Released first because the replacement inherits this task id: sent first, a
         replacement locked on the same request (a paginating task replacing itself) would find
         the lease held by its own task id and wait for it to lapse, or, eager, fail with
-        :class:`LockContendedError`.
-
-        The release writes this task's done-marker, as Celery counts a replaced task finished
-        (it acks the message): a later copy must not run the body again, whatever ``sig`` is (the
-        next stage of a shared scope, a plain task, a chain). Not where ``sig`` may run this
-        very task on this very request, which the marker would skip.
+        :class:`LockContendedError`. No done-marker, because a done-marker naming this task id
+        would make such a replacement, or one further down (a task that replaces itself with a
+        poll that replaces itself with it again), skip itself as a redelivery that succeeded.
         """
         request = self.request
         lease: Lease | None = getattr(request, "lock_lease", None)
         if lease is not None:
             heartbeat = get_runtime(self.app).heartbeat
-            done = not self._may_run_again(sig, lease.keys)
-            self._release(lease, self.lock_settings(), heartbeat, success=done)
+            self._release(lease, self.lock_settings(), heartbeat, success=False)
             # Eager, replace() returns and the body goes on, without the lease: check_lock()
             # must say so.
             request.lock_lost = True
         return super().on_replace(sig)
-
-    def _may_run_again(self, sig: Any, keys: RequestKeys) -> bool:
-        """Whether the canvas ``sig`` may run this task on the request ``keys`` name: it holds
-        this task with arguments that give those keys, or whose keys cannot be told before it
-        runs (inside a chain or a group, a result may be prepended to them)."""
-        pending: list[tuple[Any, bool]] = [(sig, False)]
-        while pending:
-            each, nested = pending.pop()
-            current: Any = maybe_signature(each, app=self.app)
-            if current.task == self.name:
-                if nested and not current.immutable:
-                    return True
-                try:
-                    if self.request_keys(tuple(current.args), dict(current.kwargs)) == keys:
-                        return True
-                except LockKeyError:
-                    return True
-            # Chains and groups (tasks), a chord's body, celery.map, starmap and chunks (task).
-            inner = [*(getattr(current, "tasks", None) or ()), getattr(current, "body", None)]
-            inner.append(current.kwargs.get("task"))
-            pending.extend((one, True) for one in inner if isinstance(one, dict))
-        return False
 
     def _release(
         self, lease: Lease, settings: LockSettings, heartbeat: Heartbeat, *, success: bool

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, chain, chord, current_task, group
+from celery import Celery, chain, current_task
 from celery.contrib.testing.worker import TestWorkController
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.exceptions import TimeoutError as CeleryTimeoutError
@@ -150,19 +150,11 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
             return f"{value}; lease handed on"
         return f"{value}; lease still held"
 
-    @celery_app.task(
-        base=LockedTask, bind=True, lock_key="request_idx", lock_scope="request", name="t.handover"
-    )
-    def handover(self: Any, request_idx: int) -> str:
-        # The first stage of a pipeline, handing its request on to the next stage.
-        seen(self)
-        return self.replace(stage.si(request_idx))
-
     @celery_app.task(name="t.nothing")
     def nothing() -> None:
         return None
 
-    every = (process, pending, stage, flaky, boom, slow, walk, hop, relay, handover, nothing)
+    every = (process, pending, stage, flaky, boom, slow, walk, hop, relay, nothing)
     return {t.name.split(".", 1)[1]: t for t in every}
 
 
@@ -328,41 +320,6 @@ def test_replace_hands_the_request_on_and_the_last_run_marks_it_done(
     keys: RequestKeys = tasks["hop"].request_keys((7, 0), {})
     assert not lock_redis.exists(keys.lock)
     assert lock_redis.get(keys.done) == result.id.encode()
-
-
-def test_a_stage_that_hands_on_to_the_next_stage_is_done_for_its_later_copies(
-    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
-) -> None:
-    # Celery counts a replaced task finished (it acks the message): a later copy of the first
-    # stage must not run its body again, though the request goes on under another task name.
-    first = tasks["handover"].delay(7)
-    assert first.get(timeout=TIMEOUT) == "stage"
-    keys: RequestKeys = tasks["handover"].request_keys((7,), {})
-    assert lock_redis.get(keys.done) == first.id.encode()
-    skipped_copy(tasks["handover"], 7, "done")
-    assert [call["task"] for call in calls.seen] == ["t.handover", "t.stage"]
-
-
-@pytest.mark.parametrize(
-    ("replacement", "may_run_again"),
-    [
-        (lambda t: t["hop"].si(7, 1), True),  # itself, on this request: a page further
-        (lambda t: t["hop"].si(8, 1), False),  # itself, on another request
-        (lambda t: t["stage"].si(7), False),  # another task
-        (lambda t: chain(t["nothing"].si(), t["hop"].s(7)), True),  # a result may be prepended
-        (lambda t: chain(t["nothing"].si(), t["hop"].si(9, 0)), False),
-        (lambda t: group(t["nothing"].si(), t["hop"].si(7, 0)), True),
-        (lambda t: chord([t["nothing"].si()], t["hop"].si(7, 0)), True),
-        (lambda t: t["hop"].chunks([(7, 0)], 1), True),
-    ],
-    ids=["self", "self-elsewhere", "other", "chain-mutable", "chain-other", "group", "chord",
-         "chunks"],
-)  # fmt: skip
-def test_a_replacement_that_may_run_the_task_on_its_request_leaves_it_undone(
-    tasks: dict[str, Any], replacement: Callable[[dict[str, Any]], Any], may_run_again: bool
-) -> None:
-    keys = tasks["hop"].request_keys((7, 0), {})
-    assert tasks["hop"]._may_run_again(replacement(tasks), keys) is may_run_again
 
 
 def test_after_an_eager_replace_the_body_knows_it_holds_no_lease(
