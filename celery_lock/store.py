@@ -321,12 +321,17 @@ class LockStore:
                 self._load(script)
                 reply = self._send("EVALSHA", script.sha, len(keys), *keys, *args)
         except redis.ResponseError as exc:
-            if is_transient_reply(exc):
-                self._leave_if_demoted(exc)
-                raise TransientReplyError(str(exc)) from exc
+            self._raise_if_transient(exc)
             raise
         self._loaded.add(script.sha)
         return reply
+
+    def _raise_if_transient(self, exc: redis.ResponseError) -> None:
+        """Raise :class:`TransientReplyError` for an error reply that means "not now" (leaving
+        a demoted primary first); return for any other."""
+        if is_transient_reply(exc):
+            self._leave_if_demoted(exc)
+            raise TransientReplyError(str(exc)) from exc
 
     def _leave_if_demoted(self, exc: redis.ResponseError) -> None:
         """After ``READONLY`` or ``MASTERDOWN``, drop the connections to the server not in use.
@@ -521,21 +526,18 @@ class LockStore:
         def run() -> list[Any]:
             try:
                 replies = send()
+                if any(isinstance(reply, NoScriptError) for reply in replies):
+                    self._scripts_missing(extend)
+                    self._load(extend)
+                    replies = send()
             except redis.ResponseError as exc:
-                # An error reply before the pipeline's own: the health check's PING (on a
-                # connection idle for its interval) refused with MISCONF, say.
-                if is_transient_reply(exc):
-                    self._leave_if_demoted(exc)
-                    raise TransientReplyError(str(exc)) from exc
+                # An error reply to the whole pipeline, not to one lease: the health check's
+                # PING (on a connection idle for its interval) refused with MISCONF, say.
+                self._raise_if_transient(exc)
                 raise
-            if any(isinstance(reply, NoScriptError) for reply in replies):
-                self._scripts_missing(extend)
-                self._load(extend)
-                replies = send()
             for reply in replies:
-                if isinstance(reply, redis.ResponseError) and is_transient_reply(reply):
-                    self._leave_if_demoted(reply)
-                    raise TransientReplyError(str(reply)) from reply
+                if isinstance(reply, redis.ResponseError):
+                    self._raise_if_transient(reply)
             self._loaded.add(extend.sha)
             return replies
 
