@@ -336,7 +336,8 @@ def _store(app: Celery, options: _Options) -> tuple[str, str]:
     try:
         return lock_store_url(app, LockSettings(redis_url=conf_url)), prefix
     except ConfigurationError as exc:
-        raise click.UsageError(f"{exc} (or pass --url)") from exc
+        # Most often no -A at all: Celery's default app has no settings to read.
+        raise click.UsageError(f"{exc} (or pass -A with your app, or --url)") from exc
 
 
 def _admin(ctx: click.Context) -> LockAdmin:

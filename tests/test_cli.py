@@ -487,3 +487,14 @@ def test_a_failed_login_is_reported_as_such(
     assert "cannot log in to the lock store" in done.stderr
     assert "cannot reach" not in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_without_an_app_or_a_url_the_error_suggests_both(tmp_path: Path) -> None:
+    # Celery's default app (no -A) has no settings: the lock store cannot be found.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY")}
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "lock", "ls"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "(or pass -A with your app, or --url)" in done.stderr
