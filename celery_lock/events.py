@@ -20,11 +20,18 @@ calls.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from celery import Task
 
-__all__ = ["TASK_LOCK_LOST", "TASK_SKIPPED", "send_task_event", "task_events_enabled"]
+__all__ = [
+    "TASK_LOCK_LOST",
+    "TASK_SKIPPED",
+    "send_task_event",
+    "send_task_event_apart",
+    "task_events_enabled",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -52,3 +59,24 @@ def send_task_event(
             dispatcher.send(type_, uuid=task_id, name=task.name, retry=False, **fields)
     except Exception:  # an event is worth a log line, never a failed task
         logger.warning("celery-lock: could not send %s for task %s", type_, task_id, exc_info=True)
+
+
+def send_task_event_apart(
+    task: Task[Any, Any], type_: str, task_id: str, hostname: str | None, **fields: Any
+) -> None:
+    """:func:`send_task_event` on a thread of its own, for a caller that must not wait on the
+    broker: the heartbeat's thread, whose next extends would wait as long as a publish to a
+    broker that is down takes to give up (seconds). Where no thread can start, sent here."""
+    if not hostname or not task_events_enabled(task):
+        return
+    sender = threading.Thread(
+        target=send_task_event,
+        args=(task, type_, task_id, hostname),
+        kwargs=fields,
+        name="celery-lock-event",
+        daemon=True,
+    )
+    try:
+        sender.start()
+    except RuntimeError:  # "can't start new thread": late rather than never
+        send_task_event(task, type_, task_id, hostname, **fields)

@@ -94,7 +94,9 @@ def follow(
         if not holder or holder == current.id:
             return None
         holding = _Holding(result.app, holder, skipped)
-        current = AsyncResult(holder, app=result.app)
+        # In the copy's backend: a task with a result backend of its own stores its holders'
+        # results there too, not in the app's.
+        current = AsyncResult(holder, backend=current.backend, app=result.app)
     raise CeleryTimeoutError(f"followed {max_hops} skipped copies from task {result.id}")
 
 

@@ -56,7 +56,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from . import signals
 from .config import LockSettings
-from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event
+from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event, send_task_event_apart
 from .exceptions import (
     ConfigurationError,
     DuplicateTaskError,
@@ -527,7 +527,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             signals.lock_lost.send(
                 sender=self, task_id=lease.holder.task_id, lock_key=lease.keys.lock
             )
-            send_task_event(
+            send_task_event_apart(
                 self,
                 TASK_LOCK_LOST,
                 lease.holder.task_id,

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.backends.base import KeyValueStoreBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 from celery.states import STARTED
@@ -63,6 +64,36 @@ def complete(store: LockStore, holder: str) -> None:
 
 
 # -- follow -----------------------------------------------------------------------------------
+
+
+class _OwnBackend(KeyValueStoreBackend):
+    """A task's result backend of its own (``@app.task(backend=...)``), apart from the app's."""
+
+    def __init__(self, app: Celery) -> None:
+        super().__init__(app=app)
+        self.data: dict[Any, Any] = {}
+
+    def get(self, key: Any) -> Any:
+        return self.data.get(key)
+
+    def mget(self, keys: Any) -> list[Any]:
+        return [self.data.get(key) for key in keys]
+
+    def set(self, key: Any, value: Any) -> None:
+        self.data[key] = value
+
+    def delete(self, key: Any) -> None:
+        self.data.pop(key, None)
+
+
+def test_follow_finds_the_holder_in_the_result_backend_of_the_copy(celery_app: Celery) -> None:
+    # The app's backend knows neither task: asked there, follow waited for ever.
+    own = _OwnBackend(celery_app)
+    own.store_result("holder-id", "processed 7", "SUCCESS")
+    copy_id = new_token()
+    own.store_result(copy_id, skipped_marker(KEYS.lock, "running", "holder-id", TASK), SKIPPED)
+    copy: AsyncResult[Any] = AsyncResult(copy_id, backend=own, app=celery_app)
+    assert follow(copy, timeout=TIMEOUT, interval=0.05) == "processed 7"
 
 
 def test_follow_gives_up_on_a_started_holder_that_completed_but_stored_no_result(

@@ -15,12 +15,15 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, chain, current_task
+from celery.app.task import Context
 from celery.contrib.testing.worker import TestWorkController
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import before_task_publish, task_postrun
 from conftest import wait_for
 
+import celery_lock.events
+import celery_lock.task
 from celery_lock import (
     SKIPPED,
     DuplicateTaskError,
@@ -634,6 +637,36 @@ def test_a_direct_call_failing_closed_is_logged_as_failing_not_as_deferred(
     assert calls.seen == []
     assert "task (a direct call) fails unrun (fail closed)" in caplog.text
     assert "deferring" not in caplog.text  # nothing is handed back to a broker
+
+
+def test_a_lost_lease_s_event_does_not_hold_up_the_heartbeat(
+    celery_app: Celery, tasks: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The callback runs on the heartbeat's thread; a publish to a broker that is down takes
+    # seconds to give up, and the next extends of every lease in the process would wait.
+    celery_app.conf.worker_send_task_events = True
+    on_its_way, give_up = threading.Event(), threading.Event()
+
+    def stuck_publish(*args: Any, **kwargs: Any) -> None:
+        on_its_way.set()
+        give_up.wait(10)
+
+    monkeypatch.setattr(celery_lock.events, "send_task_event", stuck_publish)
+    monkeypatch.setattr(celery_lock.task, "send_task_event", stuck_publish, raising=False)
+    task = tasks["process"]
+    keys = task.request_keys((7,), {})
+    holder = Holder("task-1", task.name, "w@h", 1)
+    lease = Lease(get_runtime(celery_app).store_for(task.lock_settings()), keys, "t", 1, 1, holder)
+    request = Context(id="task-1", hostname="w@h", is_eager=False)
+    heartbeat = threading.Thread(target=task._lease_lost_callback(request), args=(lease,))
+    heartbeat.start()
+    try:
+        heartbeat.join(5)
+        assert on_its_way.wait(5)  # the event is sent...
+        assert not heartbeat.is_alive()  # ...and the heartbeat went on without waiting
+    finally:
+        give_up.set()
+        heartbeat.join(5)
 
 
 def test_a_lease_counts_its_ttl_from_before_the_acquire(
