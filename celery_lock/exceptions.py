@@ -207,20 +207,30 @@ class StaleFenceError(CeleryLockError):
         fence: the writer's fence.
         current: the stored fence that outranks it, when known.
         missing: the record does not exist (:func:`~celery_lock.fenced_update` found no row).
+        detail: why the write was refused, where the stored fence cannot say it
+            (:func:`~celery_lock.fenced_update` under REPEATABLE READ); the message then.
 
     .. versionadded:: 0.1.0
     """
 
     def __init__(
-        self, record: str, fence: int, current: int | None = None, missing: bool = False
+        self,
+        record: str,
+        fence: int,
+        current: int | None = None,
+        missing: bool = False,
+        detail: str | None = None,
     ) -> None:
-        super().__init__(record, fence, current, missing)
+        super().__init__(record, fence, current, missing, detail)
         self.record = record
         self.fence = fence
         self.current = current
         self.missing = missing
+        self.detail = detail
 
     def __str__(self) -> str:
+        if self.detail:
+            return f"fenced write with fence {self.fence} refused: {self.detail}"
         if self.missing:
             return (
                 f"fenced write with fence {self.fence} refused: {self.record} does not exist "

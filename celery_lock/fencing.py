@@ -87,6 +87,8 @@ MAX_FENCE = 2**53
 _MAX_TTL_MS = 2**53
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A table may be schema-qualified: each part a plain identifier, used unquoted like the others.
+_TABLE = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*\.)?[A-Za-z_][A-Za-z0-9_]*")
 _PARAMSTYLES = ("qmark", "numeric", "named", "format", "pyformat")
 
 # KEYS[1] - the fenced record (hash: value, fence)
@@ -178,7 +180,9 @@ class FencedRedis:
         ttl_ms = 0
         if ttl is not None:
             # Checked before int(): int(inf) raises OverflowError, not the documented ValueError.
-            if not (ttl > 0 and math.isfinite(ttl) and ttl * 1000 <= _MAX_TTL_MS):
+            # The bound comes before isfinite(), which converts to float and raises
+            # OverflowError for an int above about 1.8e308 (ttl=10**400).
+            if not (ttl > 0 and ttl * 1000 <= _MAX_TTL_MS and math.isfinite(ttl)):
                 raise ValueError(
                     f"ttl must be a positive number of seconds up to 2**53 ms, got {ttl!r}"
                 )
@@ -250,12 +254,35 @@ def _identifier(name: str, what: str) -> str:
     return name
 
 
+def _table(name: str) -> str:
+    if not isinstance(name, str) or not _TABLE.fullmatch(name):
+        raise ValueError(
+            f"table must match [A-Za-z_][A-Za-z0-9_]*, or schema.table with each part so, "
+            f"got {name!r}"
+        )
+    return name
+
+
 def _paramstyle(conn: _Connection) -> str:
-    driver = sys.modules.get(type(conn).__module__.split(".", 1)[0])
-    style = getattr(driver, "paramstyle", None)
+    # SQLAlchemy's engine.raw_connection() is a pool proxy (sqlalchemy.pool): the driver's
+    # connection is inside it (driver_connection; dbapi_connection on older SQLAlchemy).
+    for attribute in ("driver_connection", "dbapi_connection"):
+        inner = getattr(conn, attribute, None)
+        if inner is not None:
+            conn = inner
+            break
+    module = type(conn).__module__
+    # The most specific module that has a paramstyle: mysql-connector's connection class lives
+    # in mysql.connector.connection, its paramstyle in mysql.connector, and mysql has none.
+    parts = module.split(".")
+    style = None
+    for end in range(len(parts), 0, -1):
+        style = getattr(sys.modules.get(".".join(parts[:end])), "paramstyle", None)
+        if style is not None:
+            break
     if style not in _PARAMSTYLES:
         raise ValueError(
-            f"cannot tell the paramstyle of {type(conn).__module__}.{type(conn).__name__}: "
+            f"cannot tell the paramstyle of {module}.{type(conn).__name__}: "
             f"pass paramstyle= (one of {', '.join(_PARAMSTYLES)})"
         )
     return str(style)
@@ -301,18 +328,21 @@ def fenced_update(
          WHERE <key_column> = ? AND (<fence_column> IS NULL OR <fence_column> <= ?)
 
     in the connection's current transaction: commit it yourself. Names are checked against
-    ``[A-Za-z_][A-Za-z0-9_]*`` and used unquoted, so no SQL can come in through them.
+    ``[A-Za-z_][A-Za-z0-9_]*`` and used unquoted, so no SQL can come in through them; a name
+    that is a reserved word of the database (``key`` in MySQL, ``user`` in PostgreSQL) is a
+    syntax error there, so rename such a column or write the update by hand.
 
     Args:
         conn: a DB-API 2.0 connection (``sqlite3``, ``psycopg``, ...).
-        table: the table's name.
+        table: the table's name, optionally schema-qualified (``schema.table``).
         key_column: the column identifying the row, e.g. the request key.
         key: the row's key value.
         values: the columns to set and their new values (not the key or fence column).
         fence: the writer's fence, ``self.request.lock_fence`` in a task.
         fence_column: the integer column holding the row's fence.
-        paramstyle: the driver's placeholder style; by default the driver module's
-            ``paramstyle``.
+        paramstyle: the driver's placeholder style; by default the ``paramstyle`` of the
+            connection class's module or the nearest package above it that has one (inside
+            SQLAlchemy's ``engine.raw_connection()``, of the driver's connection).
         raise_on_stale: raise instead of returning ``False`` when no row was updated.
 
     Returns:
@@ -323,15 +353,18 @@ def fenced_update(
     Raises:
         StaleFenceError: nothing was updated and ``raise_on_stale`` is set; before raising, one
             ``SELECT`` of the row's fence tells a larger fence (``current``) from a missing row
-            (``missing``).
-        ValueError: a name is not a plain identifier, ``values`` is empty or names the key or
-            fence column (in any letter case), or the paramstyle is unknown.
+            (``missing``). Under REPEATABLE READ that ``SELECT`` reads the transaction's
+            snapshot, the ``UPDATE`` the latest row: where the snapshot would allow the write,
+            ``current`` is ``None`` and the message says why the two differ.
+        ValueError: a name is not a plain identifier (the table may be ``schema.table``),
+            ``values`` is empty or names the key or fence column (in any letter case), or the
+            paramstyle is unknown.
         TypeError: ``fence`` is not an int.
 
     .. versionadded:: 0.1.0
     """
     _check_fence(fence)
-    _identifier(table, "table")
+    _table(table)
     _identifier(key_column, "key_column")
     _identifier(fence_column, "fence_column")
     if not values:
@@ -372,7 +405,12 @@ def _refusal(
     fence_column: str,
     fence: int,
 ) -> StaleFenceError:
-    """Why an update matched no row: a larger fence stored (and which), or no such row."""
+    """Why an update matched no row: a larger fence stored (and which), or no such row.
+
+    Under REPEATABLE READ (MySQL's and MariaDB's default) the ``UPDATE`` matched against the
+    latest committed row while this ``SELECT`` reads the transaction's snapshot, so what it
+    reads is only reported as the reason where it agrees with the refusal.
+    """
     [mark], named = _placeholders(style, 1)
     cursor: _Cursor
     with contextlib.closing(conn.cursor()) as cursor:
@@ -384,12 +422,34 @@ def _refusal(
         found = cursor.fetchone()
     record = f"{table}:{key}"
     if found is None:
-        return StaleFenceError(record, fence, missing=True)
+        return StaleFenceError(
+            record,
+            fence,
+            missing=True,
+            detail=f"{record} does not exist as this transaction reads it (insert rows before "
+            "fenced updates), or is a row committed with a larger fence after this "
+            "transaction's snapshot (REPEATABLE READ)",
+        )
     # A tuple, or a mapping where the connection's cursor makes rows dicts (pymysql's
     # DictCursor, psycopg's dict_row, a sqlite3 row_factory).
     value: Any = next(iter(found.values()), None) if isinstance(found, Mapping) else found[0]
     try:
-        current = int(value)
-    except (TypeError, ValueError):  # NULL (changed since the UPDATE) or not a number
-        current = None
-    return StaleFenceError(record, fence, current)
+        current = None if value is None else int(value)
+    except (TypeError, ValueError):  # not a number: no fence to name
+        return StaleFenceError(record, fence)
+    if current is not None and current > fence:
+        return StaleFenceError(record, fence, current)
+    # NULL or a fence <= the caller's would have let the UPDATE through: this is not the row
+    # the UPDATE saw, so it must not be reported as the store's fence.
+    seen = "no fence" if current is None else f"fence {current}"
+    detail = (
+        f"the row as this transaction reads it ({seen}) allows the write, so another"
+        " transaction changed it after this transaction's snapshot (REPEATABLE READ)"
+    )
+    if current == fence:
+        # Also what a rowcount of changed rows reports for a write of the same values again.
+        detail += (
+            ", or the driver's rowcount counts changed rows only (MySQL without"
+            " CLIENT.FOUND_ROWS) and the row already held these values"
+        )
+    return StaleFenceError(record, fence, detail=detail)

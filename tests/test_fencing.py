@@ -13,12 +13,14 @@ import sqlite3
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 from programs import run_program
 
 from celery_lock import CeleryLockError
@@ -101,7 +103,7 @@ def test_rejected_write_raises_when_asked(sink: redis.Redis) -> None:
     assert isinstance(error, CeleryLockError)
     assert (error.record, error.fence, error.current) == (KEY, 6, 7)
     assert str(error) == f"stale fence 6 for {KEY}: the store holds 7"
-    assert error.args == (KEY, 6, 7, False)  # rebuilt from a result backend as the same error
+    assert error.args == (KEY, 6, 7, False, None)  # rebuilt from a result backend as the same error
     assert error.missing is False
 
 
@@ -112,7 +114,9 @@ def test_ttl_sets_the_records_expiry(sink: redis.Redis) -> None:
     assert sink.pttl("sink:no-ttl") == -1
 
 
-@pytest.mark.parametrize("ttl", [math.inf, -math.inf, math.nan, 0, -1, 1e300])
+@pytest.mark.parametrize(
+    "ttl", [math.inf, -math.inf, math.nan, 0, -1, 1e300, pytest.param(10**400, id="10**400")]
+)
 def test_ttl_that_is_not_a_positive_finite_number_is_a_value_error(
     sink: redis.Redis, ttl: float
 ) -> None:
@@ -257,6 +261,113 @@ def test_sql_refused_update_names_the_stored_fence_with_rows_as_dicts(
     assert (caught.value.current, caught.value.missing) == (5, False)
 
 
+class SnapshotReads:
+    """One transaction as MySQL runs it under REPEATABLE READ: the UPDATE matches the latest
+    committed row (``latest``), a plain SELECT reads the snapshot taken at the transaction's
+    first read (a second connection to the WAL database, its read transaction open since
+    ``__init__``)."""
+
+    def __init__(self, latest: sqlite3.Connection, path: Path) -> None:
+        latest.execute("PRAGMA journal_mode=WAL")  # a reader keeps its snapshot across commits
+        self.latest = latest
+        self.snapshot = sqlite3.connect(path, isolation_level=None)
+        self.snapshot.execute("BEGIN")
+        self.snapshot.execute("SELECT count(*) FROM orders").fetchone()  # takes the snapshot
+        self.used: sqlite3.Cursor | None = None
+
+    def cursor(self) -> SnapshotReads:
+        return self
+
+    @property
+    def rowcount(self) -> int:
+        assert self.used is not None
+        return self.used.rowcount
+
+    def execute(self, sql: str, params: Any) -> None:
+        reader = self.snapshot if sql.startswith("SELECT") else self.latest
+        self.used = reader.execute(sql, params)
+
+    def fetchone(self) -> Any:
+        assert self.used is not None
+        return self.used.fetchone()
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("before", [None, 3, 5])
+def test_sql_refusal_the_snapshot_does_not_explain_names_no_stored_fence(
+    db: sqlite3.Connection, tmp_path: Path, before: int | None
+) -> None:
+    if before is not None:
+        fenced_update(db, "orders", "id", 1, {"status": "old"}, before)
+        db.commit()
+    conn = SnapshotReads(db, tmp_path / "fenced.db")
+    fenced_update(db, "orders", "id", 1, {"status": "newer"}, 9)  # after the snapshot
+    db.commit()
+    with pytest.raises(StaleFenceError) as caught:
+        fenced_update(
+            conn, "orders", "id", 1, {"status": "stale"}, 5,
+            paramstyle="qmark", raise_on_stale=True,
+        )  # fmt: skip
+    conn.snapshot.close()
+    error = caught.value
+    # The snapshot's fence (or NULL) would have allowed the write: it is not why it was refused.
+    assert (error.record, error.fence, error.current, error.missing) == ("orders:1", 5, None, False)
+    seen = "no fence" if before is None else f"fence {before}"
+    assert f"the row as this transaction reads it ({seen}) allows the write" in str(error)
+    assert "after this transaction's snapshot (REPEATABLE READ)" in str(error)
+    assert ("CLIENT.FOUND_ROWS" in str(error)) is (before == 5)
+    assert row(db) == ("newer", 9)  # the refusal itself was right
+
+
+def test_sql_refusal_of_a_row_the_snapshot_lacks_says_it_may_be_newer(
+    db: sqlite3.Connection, tmp_path: Path
+) -> None:
+    conn = SnapshotReads(db, tmp_path / "fenced.db")
+    db.execute("INSERT INTO orders VALUES (3, 'newer', 9)")  # committed after the snapshot
+    db.commit()
+    with pytest.raises(StaleFenceError) as caught:
+        fenced_update(
+            conn, "orders", "id", 3, {"status": "stale"}, 5,
+            paramstyle="qmark", raise_on_stale=True,
+        )  # fmt: skip
+    conn.snapshot.close()
+    error = caught.value
+    assert (error.record, error.fence, error.current, error.missing) == ("orders:3", 5, None, True)
+    assert "orders:3 does not exist as this transaction reads it" in str(error)
+    assert "committed with a larger fence after this transaction's snapshot" in str(error)
+    assert row(db, 3) == ("newer", 9)
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_sql_refusal_the_snapshot_does_not_explain_keeps_its_message_through_a_result_backend(
+    db: sqlite3.Connection, tmp_path: Path, serializer: str
+) -> None:
+    conn = SnapshotReads(db, tmp_path / "fenced.db")
+    fenced_update(db, "orders", "id", 1, {"status": "newer"}, 9)
+    db.commit()
+    with pytest.raises(StaleFenceError) as caught:
+        fenced_update(
+            conn, "orders", "id", 1, {"status": "x"}, 5, paramstyle="qmark", raise_on_stale=True
+        )
+    conn.snapshot.close()
+    error = caught.value
+    app = Celery("errors", backend="cache+memory://", set_as_current=False)
+    app.conf.result_serializer = serializer
+    app.conf.result_accept_content = ["json", "pickle"]
+    try:
+        backend = app.backend
+        stored = backend.encode(backend.prepare_exception(error))
+        rebuilt = backend.exception_to_python(backend.decode(stored))
+    finally:
+        app.close()
+    assert type(rebuilt) is type(error)
+    assert vars(rebuilt) == vars(error)
+    assert rebuilt.args == error.args
+    assert str(rebuilt) == str(error)
+
+
 def test_sql_update_runs_in_the_callers_transaction(db: sqlite3.Connection) -> None:
     fenced_update(db, "orders", "id", 1, {"status": "paid"}, 1)
     db.rollback()
@@ -309,6 +420,71 @@ def test_sql_placeholders_follow_the_paramstyle(style: str, marks: list[str], pa
     ]
 
 
+def fake_driver(
+    monkeypatch: pytest.MonkeyPatch, styles: dict[str, str | None], where: str
+) -> type[RecordingConnection]:
+    """Modules ``styles`` (name: its paramstyle, or None for none) and a connection class in
+    module ``where``, as a driver package lays them out."""
+    for name, style in styles.items():
+        module = types.ModuleType(name)
+        if style is not None:
+            module.paramstyle = style  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, name, module)
+    return type("Connection", (RecordingConnection,), {"__module__": where})
+
+
+@pytest.mark.parametrize(
+    ("styles", "where"),
+    [
+        # mysql-connector: mysql.connector.connection.MySQLConnection; mysql has no paramstyle.
+        ({"fakesql": None, "fakesql.connector": "format",
+          "fakesql.connector.connection": None}, "fakesql.connector.connection"),
+        # The most specific module wins over a package above it.
+        ({"fakesql": "qmark", "fakesql.connector": "format"}, "fakesql.connector"),
+        # sqlite3, psycopg: the top-level package, as before.
+        ({"fakesql": "format"}, "fakesql.connections"),
+    ],
+)  # fmt: skip
+def test_sql_paramstyle_is_read_from_the_nearest_module_that_has_one(
+    monkeypatch: pytest.MonkeyPatch, styles: dict[str, str | None], where: str
+) -> None:
+    conn = fake_driver(monkeypatch, styles, where)()
+    assert fenced_update(conn, "orders", "id", 1, {"status": "paid"}, 7)
+    assert conn.executed[0][0].startswith("UPDATE orders SET status = %s, fence = %s")
+
+
+@pytest.mark.parametrize("attribute", ["driver_connection", "dbapi_connection"])
+def test_sql_paramstyle_is_read_through_a_pool_proxy(
+    monkeypatch: pytest.MonkeyPatch, attribute: str
+) -> None:
+    # SQLAlchemy's raw_connection() is a proxy in sqlalchemy.pool, which has no paramstyle;
+    # dbapi_connection is its only name for the driver's connection on older SQLAlchemy.
+    driver = fake_driver(monkeypatch, {"fakesql": "format"}, "fakesql")()
+    proxy_class = fake_driver(monkeypatch, {"fakepool": None}, "fakepool")
+    proxy = proxy_class()
+    setattr(proxy, attribute, driver)
+    assert fenced_update(proxy, "orders", "id", 1, {"status": "paid"}, 7)
+    assert proxy.executed[0][0].startswith("UPDATE orders SET status = %s, fence = %s")
+
+
+def test_sql_sqlalchemy_raw_connection_is_a_connection(tmp_path: Path) -> None:
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'pooled.db'}")
+    conn = engine.raw_connection()
+    try:
+        conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, status TEXT, fence INTEGER)")
+        conn.execute("INSERT INTO orders VALUES (1, 'new', NULL)")
+        assert fenced_update(conn, "orders", "id", 1, {"status": "paid"}, 3) is True
+        assert fenced_update(conn, "orders", "id", 1, {"status": "stale"}, 2) is False
+        conn.commit()
+    finally:
+        conn.close()
+        engine.dispose()
+    with sqlite3.connect(tmp_path / "pooled.db") as check:
+        assert row(check) == ("paid", 3)
+    check.close()
+
+
 def test_sql_unknown_driver_needs_a_paramstyle() -> None:
     with pytest.raises(ValueError, match="paramstyle"):
         fenced_update(RecordingConnection(), "orders", "id", 1, {"status": "paid"}, 1)
@@ -316,8 +492,9 @@ def test_sql_unknown_driver_needs_a_paramstyle() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["orders; DROP TABLE orders", "orders\n", "1orders", "", "main.orders", 'or"ders',
-     "orders--", "ord ers", "ordérs"],
+    ["orders; DROP TABLE orders", "orders\n", "1orders", "", 'or"ders', "orders--", "ord ers",
+     "ordérs", ".orders", "orders.", "main..orders", "a.main.orders", "main.1orders",
+     "main. orders", "main.orders\n"],
 )  # fmt: skip
 @pytest.mark.parametrize("where", ["table", "key_column", "fence_column", "values"])
 def test_sql_names_must_be_plain_identifiers(db: sqlite3.Connection, name: str, where: str) -> None:
@@ -329,6 +506,27 @@ def test_sql_names_must_be_plain_identifiers(db: sqlite3.Connection, name: str, 
     with pytest.raises(ValueError, match="must match"):
         fenced_update(db, key=1, fence=1, **args)
     assert db.execute("SELECT count(*) FROM orders").fetchone() == (2,)
+    assert row(db) == ("new", None)
+
+
+def test_sql_table_may_be_schema_qualified(db: sqlite3.Connection) -> None:
+    # sqlite3 names its database's schema "main", as app.orders names a PostgreSQL schema.
+    assert fenced_update(db, "main.orders", "id", 1, {"status": "paid"}, 2) is True
+    assert row(db) == ("paid", 2)
+    with pytest.raises(StaleFenceError, match=r"main\.orders:1: the store holds 2"):
+        fenced_update(db, "main.orders", "id", 1, {"status": "stale"}, 1, raise_on_stale=True)
+
+
+@pytest.mark.parametrize("where", ["key_column", "fence_column", "values"])
+def test_sql_column_names_cannot_be_qualified(db: sqlite3.Connection, where: str) -> None:
+    # Only a table lives in a schema; "orders.status" in SET is not SQL everywhere.
+    args: dict[str, Any] = {"key_column": "id", "values": {"status": "x"}}
+    if where == "values":
+        args["values"] = {"orders.status": "x"}
+    else:
+        args[where] = f"orders.{args.get(where, 'fence')}"
+    with pytest.raises(ValueError, match="must match"):
+        fenced_update(db, "orders", key=1, fence=1, **args)
     assert row(db) == ("new", None)
 
 

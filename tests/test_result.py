@@ -190,6 +190,7 @@ ERRORS: list[CeleryLockError] = [
     ResultUnavailableError("holder-id", "celery-lock:{shop.process:7}:lock"),
     StaleFenceError("orders:7", 3, 5),
     StaleFenceError("orders:8", 3, missing=True),
+    StaleFenceError("orders:9", 3, detail="another transaction changed it"),
 ]
 ERROR_IDS = [f"{type(error).__name__}-{i}" for i, error in enumerate(ERRORS)]
 
