@@ -294,6 +294,14 @@ class KeyDeriver:
                     f"lock_key template {self.spec!r} must name its fields ({{name}})",
                     task_name=self.task_name,
                 )
+            if ".__" in template_field:
+                # {order.__class__}, {order.__init__}: Python's own attributes, which read as
+                # a class or an address (a request of its own per call), never as a value.
+                raise LockKeyError(
+                    f"lock_key template {self.spec!r} reaches a dunder attribute in "
+                    f"{{{template_field}}}: name the value's own attribute or item",
+                    task_name=self.task_name,
+                )
             names.append((root, template_field))
         return names
 

@@ -136,6 +136,16 @@ def store(lock_server: RedisServer) -> Iterator[LockStore]:
     store.client.close()
 
 
+def beat_once(lease: Lease) -> None:
+    """One heartbeat beat over ``lease``, and only that one (the thread waits a minute)."""
+    heartbeat = Heartbeat()
+    heartbeat.add(lease, 60.0)
+    try:
+        heartbeat.beat()
+    finally:
+        heartbeat.stop()
+
+
 class ReplyDropper:
     """A TCP proxy in front of a redis-server that loses chosen replies.
 
@@ -424,12 +434,7 @@ def test_misconf_after_a_failed_save_is_transient_and_clears_with_a_good_save(
             checked.extend_all([lease])
         with pytest.raises(LockStoreUnavailableError, match="MISCONF"):
             acquire(checked, new_token(), other)
-        heartbeat = Heartbeat()
-        heartbeat.add(lease, 60.0)  # its thread waits 60 s: the beat below is the only one
-        try:
-            heartbeat.beat()
-        finally:
-            heartbeat.stop()
+        beat_once(lease)
         assert not lease.lost
         with pytest.raises(LockStoreUnavailableError, match="MISCONF"):
             store.release(lease, success=True, done_ttl_ms=60_000)
@@ -800,12 +805,7 @@ def test_heartbeat_pipeline_reloads_its_script_after_a_real_restart(
     other.client.close()
     assert admin.script_exists(store.scripts.extend.sha) == [False]
     admin.pexpire(KEYS.lock, 500)
-    heartbeat = Heartbeat()
-    heartbeat.add(lease, 60.0)  # its thread waits 60 s: the beat below is the only one
-    try:
-        heartbeat.beat()
-    finally:
-        heartbeat.stop()
+    beat_once(lease)
     assert not lease.lost
     assert admin.pttl(KEYS.lock) > 1_000  # extended by the reloaded script
 

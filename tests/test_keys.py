@@ -1023,3 +1023,10 @@ def test_an_enum_argument_keys_as_the_value_the_worker_receives(
 ) -> None:
     # A direct or eager call passes the member; the worker gets its JSON value. One request.
     assert task.request_keys((member, member), {}) == task.request_keys((sent, sent), {})
+
+
+@pytest.mark.parametrize("spec", ["{order.__class__}", "{order.__init__}", "{invoice[a].__doc__}"])
+def test_a_template_reaching_a_dunder_attribute_fails_at_class_creation(spec: str) -> None:
+    # They read as a class or a memory address, never as the argument's value.
+    with pytest.raises(LockKeyError, match="reaches a dunder attribute"):
+        _sub_field_deriver(spec)
