@@ -311,7 +311,7 @@ def _setting(field: str, value: Any, name: str, option: str | None) -> Any:
         raise click.UsageError(f"{exc}{hint}") from exc
 
 
-def _store(app: Celery, options: _Options) -> tuple[str, str]:
+def _store(app: Celery, options: _Options, app_given: bool = True) -> tuple[str, str]:
     """The lock store URL and key prefix to use: the options', else the app's.
 
     Only these two settings are read, each checked on its own: another invalid celery-lock
@@ -336,15 +336,16 @@ def _store(app: Celery, options: _Options) -> tuple[str, str]:
     try:
         return lock_store_url(app, LockSettings(redis_url=conf_url)), prefix
     except ConfigurationError as exc:
-        # Most often no -A at all: Celery's default app has no settings to read.
-        raise click.UsageError(f"{exc} (or pass -A with your app, or --url)") from exc
+        # Without -A, Celery's default app has no settings to read: suggest it too.
+        hint = "or pass --url" if app_given else "or pass -A with your app, or --url"
+        raise click.UsageError(f"{exc} ({hint})") from exc
 
 
 def _admin(ctx: click.Context) -> LockAdmin:
     app: Celery = ctx.find_root().obj.app
     options = ctx.find_object(_Options)
     assert options is not None
-    url, prefix = _store(app, options)
+    url, prefix = _store(app, options, app_given=bool(ctx.find_root().params.get("app")))
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
         client.ping()

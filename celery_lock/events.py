@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from time import monotonic
 from typing import Any
 
 from celery import Task
@@ -31,9 +32,13 @@ __all__ = [
     "send_task_event",
     "send_task_event_apart",
     "task_events_enabled",
+    "wait_for_events_apart",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The threads of :func:`send_task_event_apart` still publishing.
+_senders: set[threading.Thread] = set()
 
 TASK_SKIPPED = "task-skipped"
 TASK_LOCK_LOST = "task-lock-lost"
@@ -69,14 +74,25 @@ def send_task_event_apart(
     broker that is down takes to give up (seconds). Where no thread can start, sent here."""
     if not hostname or not task_events_enabled(task):
         return
-    sender = threading.Thread(
-        target=send_task_event,
-        args=(task, type_, task_id, hostname),
-        kwargs=fields,
-        name="celery-lock-event",
-        daemon=True,
-    )
+
+    def send() -> None:
+        try:
+            send_task_event(task, type_, task_id, hostname, **fields)
+        finally:
+            _senders.discard(threading.current_thread())
+
+    sender = threading.Thread(target=send, name="celery-lock-event", daemon=True)
+    _senders.add(sender)
     try:
         sender.start()
     except RuntimeError:  # "can't start new thread": late rather than never
+        _senders.discard(sender)
         send_task_event(task, type_, task_id, hostname, **fields)
+
+
+def wait_for_events_apart(timeout: float) -> None:
+    """Wait, ``timeout`` seconds at most in all, for the events :func:`send_task_event_apart`
+    is still publishing: a pool process that exits (``os._exit``) would drop them."""
+    deadline = monotonic() + timeout
+    for sender in list(_senders):
+        sender.join(max(0.0, deadline - monotonic()))

@@ -207,8 +207,10 @@ class StaleFenceError(CeleryLockError):
         fence: the writer's fence.
         current: the stored fence that outranks it, when known.
         missing: the record does not exist (:func:`~celery_lock.fenced_update` found no row).
-        detail: why the write was refused, where the stored fence cannot say it
-            (:func:`~celery_lock.fenced_update` under REPEATABLE READ); the message then.
+        detail: why the write was refused, where the stored fence cannot say it: a refusal
+            :func:`~celery_lock.fenced_update` cannot explain from the row as its transaction
+            reads it, or a missing row (which may be one committed after the snapshot). The
+            message is then this.
 
     .. versionadded:: 0.1.0
     """

@@ -57,7 +57,6 @@ write.
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 import sys
 from collections.abc import Mapping
@@ -88,7 +87,7 @@ _MAX_TTL_MS = 2**53
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A table may be schema-qualified: each part a plain identifier, used unquoted like the others.
-_TABLE = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*\.)?[A-Za-z_][A-Za-z0-9_]*")
+_TABLE = re.compile(rf"(?:{_IDENTIFIER.pattern}\.)?{_IDENTIFIER.pattern}")
 _PARAMSTYLES = ("qmark", "numeric", "named", "format", "pyformat")
 
 # KEYS[1] - the fenced record (hash: value, fence)
@@ -180,9 +179,9 @@ class FencedRedis:
         ttl_ms = 0
         if ttl is not None:
             # Checked before int(): int(inf) raises OverflowError, not the documented ValueError.
-            # The bound comes before isfinite(), which converts to float and raises
-            # OverflowError for an int above about 1.8e308 (ttl=10**400).
-            if not (ttl > 0 and ttl * 1000 <= _MAX_TTL_MS and math.isfinite(ttl)):
+            # Comparisons only (NaN and inf fail them): math.isfinite would raise OverflowError
+            # for an int too large for a float (ttl=10**400).
+            if not (ttl > 0 and ttl * 1000 <= _MAX_TTL_MS):
                 raise ValueError(
                     f"ttl must be a positive number of seconds up to 2**53 ms, got {ttl!r}"
                 )
@@ -272,11 +271,13 @@ def _paramstyle(conn: _Connection) -> str:
             conn = inner
             break
     module = type(conn).__module__
-    # The most specific module that has a paramstyle: mysql-connector's connection class lives
-    # in mysql.connector.connection, its paramstyle in mysql.connector, and mysql has none.
+    # The driver's top-level package, where DB-API puts paramstyle and where users set it
+    # (pg8000.paramstyle = "named"; pg8000.legacy has its own, which the cursor ignores); else
+    # the nearest module below it that has one: mysql-connector's connection class lives in
+    # mysql.connector.connection, its paramstyle in mysql.connector, and mysql has none.
     parts = module.split(".")
     style = None
-    for end in range(len(parts), 0, -1):
+    for end in (1, *range(len(parts), 1, -1)):
         style = getattr(sys.modules.get(".".join(parts[:end])), "paramstyle", None)
         if style is not None:
             break

@@ -63,6 +63,12 @@ _DIGESTED = re.compile(rf"{_SAFE.pattern}~[0-9a-f]{{{_DIGEST_HEX}}}")
 LockKeySpec = str | Callable[..., Any] | None
 
 
+#: The parts of a template field after its argument, as str.format reads them (``.attribute``
+#: or ``[item]``), and a dunder name (``__class__``), which a template may not reach.
+_FIELD_PARTS = re.compile(r"\.([^.\[]+)|\[([^\]]*)\]")
+_DUNDER = re.compile(r"__\w+__")
+
+
 def safe_key_part(raw: str | bytes) -> str:
     """Return ``raw`` if it is short and plain, else a readable prefix plus a digest.
 
@@ -294,7 +300,9 @@ class KeyDeriver:
                     f"lock_key template {self.spec!r} must name its fields ({{name}})",
                     task_name=self.task_name,
                 )
-            if ".__" in template_field:
+            # The attributes the field reaches through (".name"), not its items ("[a.__b]").
+            reached = _FIELD_PARTS.findall(template_field[len(root) :])
+            if any(_DUNDER.fullmatch(attribute) for attribute, _ in reached):
                 # {order.__class__}, {order.__init__}: Python's own attributes, which read as
                 # a class or an address (a request of its own per call), never as a value.
                 raise LockKeyError(

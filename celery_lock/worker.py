@@ -24,6 +24,7 @@ from celery.signals import worker_process_init, worker_process_shutdown
 
 from .checks import warn_at_startup
 from .config import DUPLICATE_POLICIES, LockSettings, check_value
+from .events import wait_for_events_apart
 from .exceptions import ConfigurationError
 from .runtime import get_runtime, lock_store_url, reset_runtime
 from .store import LockStore
@@ -198,6 +199,7 @@ def install(app: Celery) -> Celery:
         heartbeat = get_runtime(app).heartbeat
         heartbeat.hand_back()
         heartbeat.stop()
+        wait_for_events_apart(5.0)  # a task-lock-lost still on its way
 
     uid = f"celery-lock-{id(app)}"
     worker_process_init.connect(start_heartbeat, weak=False, dispatch_uid=f"{uid}-init")

@@ -498,3 +498,12 @@ def test_without_an_app_or_a_url_the_error_suggests_both(tmp_path: Path) -> None
     )  # fmt: skip
     assert done.returncode == 2
     assert "(or pass -A with your app, or --url)" in done.stderr
+    # With -A (an app without a lock store), only --url is left to suggest.
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.helper_apps.echo_app", "lock", "ls"],
+        env={**env, "ECHO_BROKER_URL": "memory://"}, cwd=ROOT, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "not set, and the broker is not Redis" in done.stderr
+    assert "(or pass --url)" in done.stderr

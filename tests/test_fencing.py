@@ -410,13 +410,14 @@ def fake_driver(
         # mysql-connector: mysql.connector.connection.MySQLConnection; mysql has no paramstyle.
         ({"fakesql": None, "fakesql.connector": "format",
           "fakesql.connector.connection": None}, "fakesql.connector.connection"),
-        # The most specific module wins over a package above it.
-        ({"fakesql": "qmark", "fakesql.connector": "format"}, "fakesql.connector"),
+        # The top-level package wins, as DB-API has it: pg8000.paramstyle, which users set,
+        # over pg8000.legacy's own (which its cursor ignores).
+        ({"fakesql": "format", "fakesql.legacy": "qmark"}, "fakesql.legacy"),
         # sqlite3, psycopg: the top-level package, as before.
         ({"fakesql": "format"}, "fakesql.connections"),
     ],
 )  # fmt: skip
-def test_sql_paramstyle_is_read_from_the_nearest_module_that_has_one(
+def test_sql_paramstyle_is_the_package_s_else_the_nearest_module_s_that_has_one(
     monkeypatch: pytest.MonkeyPatch, styles: dict[str, str | None], where: str
 ) -> None:
     conn = fake_driver(monkeypatch, styles, where)()
@@ -440,6 +441,7 @@ def test_sql_paramstyle_is_read_through_a_pool_proxy(
 
 def test_sql_sqlalchemy_raw_connection_is_a_connection(tmp_path: Path) -> None:
     import sqlalchemy  # noqa: PLC0415 - the test extra's; only this test needs it
+
     engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'pooled.db'}")
     conn = engine.raw_connection()
     try:

@@ -1030,3 +1030,8 @@ def test_a_template_reaching_a_dunder_attribute_fails_at_class_creation(spec: st
     # They read as a class or a memory address, never as the argument's value.
     with pytest.raises(LockKeyError, match="reaches a dunder attribute"):
         _sub_field_deriver(spec)
+
+
+def test_a_dunder_item_key_is_an_item_not_an_attribute() -> None:
+    derive = _sub_field_deriver("{invoice[a.__b]}")
+    assert derive.request_key((None, {"a.__b": 7}), {}) == "7"

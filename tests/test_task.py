@@ -664,6 +664,14 @@ def test_a_lost_lease_s_event_does_not_hold_up_the_heartbeat(
         heartbeat.join(5)
         assert on_its_way.wait(5)  # the event is sent...
         assert not heartbeat.is_alive()  # ...and the heartbeat went on without waiting
+        # A pool process shutting down waits for it (bounded), before billiard ends it.
+        [sender] = celery_lock.events._senders
+        celery_lock.events.wait_for_events_apart(0.1)
+        assert sender.is_alive()  # still stuck: the wait was bounded
+        give_up.set()
+        celery_lock.events.wait_for_events_apart(5)
+        assert not sender.is_alive()
+        assert not celery_lock.events._senders
     finally:
         give_up.set()
         heartbeat.join(5)
