@@ -342,8 +342,9 @@ def fenced_update(
         fence: the writer's fence, ``self.request.lock_fence`` in a task.
         fence_column: the integer column holding the row's fence.
         paramstyle: the driver's placeholder style; by default the ``paramstyle`` of the
-            connection class's module or the nearest package above it that has one (inside
-            SQLAlchemy's ``engine.raw_connection()``, of the driver's connection).
+            driver's top-level package, else of the nearest module below it that has one, read
+            from the connection's class (inside SQLAlchemy's ``engine.raw_connection()``, the
+            driver's connection's).
         raise_on_stale: raise instead of returning ``False`` when no row was updated.
 
     Returns:
