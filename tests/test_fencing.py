@@ -293,6 +293,17 @@ class SnapshotReads:
     def close(self) -> None:
         pass
 
+    def refused(self, key: int) -> StaleFenceError:
+        """The error of a stale write (fence 5) to row ``key`` in this transaction, which
+        then ends."""
+        with pytest.raises(StaleFenceError) as caught:
+            fenced_update(
+                self, "orders", "id", key, {"status": "stale"}, 5,
+                paramstyle="qmark", raise_on_stale=True,
+            )  # fmt: skip
+        self.snapshot.close()
+        return caught.value
+
 
 @pytest.mark.parametrize("before", [None, 3, 5])
 def test_sql_refusal_the_snapshot_does_not_explain_names_no_stored_fence(
@@ -304,13 +315,7 @@ def test_sql_refusal_the_snapshot_does_not_explain_names_no_stored_fence(
     conn = SnapshotReads(db, tmp_path / "fenced.db")
     fenced_update(db, "orders", "id", 1, {"status": "newer"}, 9)  # after the snapshot
     db.commit()
-    with pytest.raises(StaleFenceError) as caught:
-        fenced_update(
-            conn, "orders", "id", 1, {"status": "stale"}, 5,
-            paramstyle="qmark", raise_on_stale=True,
-        )  # fmt: skip
-    conn.snapshot.close()
-    error = caught.value
+    error = conn.refused(1)
     # The snapshot's fence (or NULL) would have allowed the write: it is not why it was refused.
     assert (error.record, error.fence, error.current, error.missing) == ("orders:1", 5, None, False)
     seen = "no fence" if before is None else f"fence {before}"
@@ -326,13 +331,7 @@ def test_sql_refusal_of_a_row_the_snapshot_lacks_says_it_may_be_newer(
     conn = SnapshotReads(db, tmp_path / "fenced.db")
     db.execute("INSERT INTO orders VALUES (3, 'newer', 9)")  # committed after the snapshot
     db.commit()
-    with pytest.raises(StaleFenceError) as caught:
-        fenced_update(
-            conn, "orders", "id", 3, {"status": "stale"}, 5,
-            paramstyle="qmark", raise_on_stale=True,
-        )  # fmt: skip
-    conn.snapshot.close()
-    error = caught.value
+    error = conn.refused(3)
     assert (error.record, error.fence, error.current, error.missing) == ("orders:3", 5, None, True)
     assert "orders:3 does not exist as this transaction reads it" in str(error)
     assert "committed with a larger fence after this transaction's snapshot" in str(error)
