@@ -81,6 +81,8 @@ logger = logging.getLogger(__name__)
 DEFERRALS_HEADER = "celery_lock_deferrals"
 #: Set on a request once a call has taken it over: a call that finds it set is a nested one.
 _ENTERED = "_celery_lock_entered"
+#: Set on a request whose body published its retry: the run is not the request's last.
+_RETRY_SENT = "_celery_lock_retry_sent"
 #: RabbitMQ's dead-lettering headers, which Celery drops from a message it publishes again
 #: (``celery.app.task.X_DEATH_HEADERS``, Celery 5.6+): RabbitMQ before 4.0.1 takes a copy that
 #: carries them, sent through native delayed delivery, for a dead-letter cycle and drops it.
@@ -446,10 +448,35 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 sender=self, task_id=request.id, lock_key=lease.keys.lock, fence=lease.fence
             )
             result = self.run(*args, **kwargs)
-            success = True
+            # A body that returns after retry(throw=False) (or after catching Retry) has sent
+            # a copy of this task id on its way: a done-marker would have it acked unrun.
+            success = not request.__dict__.get(_RETRY_SENT, False)
             return result
         finally:
             self._release(lease, settings, heartbeat, success=success)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's :meth:`~celery.app.task.Task.retry`, noting on the request that the retry
+        was published, so that this run releases its lease without a done-marker however the
+        body ends (``throw=False``, or ``Retry`` caught and a value returned).
+
+        The retry carries this task id: released with a done-marker, the request would look
+        finished by this very task, and the retry would be acked unrun as a redelivery of a
+        message that succeeded.
+        """
+        try:
+            signature = super().retry(*args, **kwargs)
+        except Retry:
+            self._note_retry_sent()
+            raise
+        self._note_retry_sent()
+        return signature
+
+    def _note_retry_sent(self) -> None:
+        request = self.request
+        # Eager or direct, Celery publishes nothing: no copy is on its way.
+        if not (request.is_eager or request.called_directly):
+            setattr(request, _RETRY_SENT, True)
 
     def on_replace(self, sig: Signature[Any]) -> Any:
         """Hand the request on to ``sig``: release this run's lease (no done-marker), then send

@@ -6,6 +6,7 @@ controls exactly who holds the request and for how long.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -17,7 +18,7 @@ import redis
 from celery import Celery, chain, current_task
 from celery.app.task import Context
 from celery.contrib.testing.worker import TestWorkController
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import before_task_publish, task_postrun
 from conftest import wait_for
@@ -109,6 +110,21 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
             raise self.retry(countdown=0.1)
         return "second time lucky"
 
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="request_idx", name="t.resend", max_retries=3
+    )
+    def resend(self: Any, request_idx: int, catch: bool) -> str:
+        # Asks for a retry and returns anyway: the retry must still run.
+        seen(self)
+        if self.request.retries == 0:
+            if catch:
+                with contextlib.suppress(Retry):
+                    self.retry(countdown=0.1)
+            else:
+                self.retry(countdown=0.1, throw=False)
+            return "first, retry sent"
+        return "the retry ran"
+
     @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.boom")
     def boom(self: Any, request_idx: int) -> None:
         seen(self)
@@ -157,7 +173,7 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
     def nothing() -> None:
         return None
 
-    every = (process, pending, stage, flaky, boom, slow, walk, hop, relay, nothing)
+    every = (process, pending, stage, flaky, resend, boom, slow, walk, hop, relay, nothing)
     return {t.name.split(".", 1)[1]: t for t in every}
 
 
@@ -436,6 +452,29 @@ def test_self_retry_releases_without_done_marker(
     assert tasks["flaky"].delay(7).get(timeout=TIMEOUT) == "second time lucky"
     assert [call["retries"] for call in calls.seen] == [0, 1]
     assert [call["fence"] for call in calls.seen] == [1, 2]
+
+
+@pytest.mark.parametrize("catch", [False, True], ids=["throw-false", "retry-caught"])
+def test_a_body_that_returns_after_sending_its_retry_leaves_the_request_to_it(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis, catch: bool
+) -> None:
+    # The retry carries the same task id: had the first run written its done-marker, the retry
+    # would be acked unrun as a redelivery of a message that succeeded.
+    task_id = tasks["resend"].delay(7, catch).id
+    wait_for("the retry to run", lambda: calls.count("t.resend") == 2, TIMEOUT)
+    assert [call["retries"] for call in calls.seen] == [0, 1]
+    assert [call["fence"] for call in calls.seen] == [1, 2]
+    keys = tasks["resend"].request_keys((7, catch), {})
+    wait_for("the done-marker", lambda: lock_redis.get(keys.done) == task_id.encode(), TIMEOUT)
+    # (The result stays the first run's: Celery's backend keeps a SUCCESS it has stored.)
+
+
+def test_an_eager_retry_that_returns_is_the_request_s_last_run(
+    celery_app: Celery, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    # Eager, Celery publishes no retry: the run that returned is the last, and marks it done.
+    assert tasks["resend"].apply((8, False)).get() == "first, retry sent"
+    assert lock_redis.get(tasks["resend"].request_keys((8, False), {}).done) is not None
 
 
 def test_failure_releases_without_done_marker(
