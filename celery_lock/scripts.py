@@ -59,10 +59,14 @@ if fence >= 9007199254740992 then
     return redis.error_reply('ERR fence counter past 2^53')
 end
 local fence_ttl = tonumber(ARGV[4])
-if fence_ttl > 0 then  -- as EXTEND: never shortened (another task of the scope may want it
-    local left = redis.call('PTTL', KEYS[2])  -- longer); -1 is a counter INCR just created
-    if left < fence_ttl and (left >= 0 or fence == 1) then
-        redis.call('PEXPIRE', KEYS[2], ARGV[4])
+if fence_ttl > 0 then
+    if fence == 1 then  -- a counter INCR just created: no TTL to compare (one call fewer on
+        redis.call('PEXPIRE', KEYS[2], ARGV[4])  -- a new request's grant, the usual one)
+    else  -- as EXTEND: never shortened (another task of the scope may want it longer)
+        local left = redis.call('PTTL', KEYS[2])  -- -1: kept for ever, as it was
+        if left >= 0 and left < fence_ttl then
+            redis.call('PEXPIRE', KEYS[2], ARGV[4])
+        end
     end
 end
 local text = string.format('%d', fence)

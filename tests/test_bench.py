@@ -23,7 +23,7 @@ from programs import run_program
 
 from bench import report, stats
 from bench.endtoend import LOCKED, PLAIN
-from bench.lockcycle import FLOOR, LEAN, SCRIPTED_FLOOR
+from bench.lockcycle import BARE, FLOOR, LEAN, SCRIPTED_FLOOR
 from bench.report import headline
 from bench.sampling import summarize
 from celery_lock.testing import find_redis_server
@@ -182,6 +182,27 @@ def test_cachegrind_counts_a_call_of_each_kind() -> None:
     for kind in ("plain", "locked"):
         # Even a no-op task's call runs well over 50,000 instructions: the calls were counted.
         assert int(rows["hot", kind][0].replace(",", "")) > 50_000
+
+
+@pytest.mark.timeout(QUICK_LIMIT)
+def test_servercost_counts_what_each_cycle_costs_the_server() -> None:
+    """``python -m bench.servercost``: redis-server's instructions per cycle, from two real
+    servers per contender under cachegrind."""
+    done = run_bench(
+        "--cycles", "10", "--contenders", FLOOR, BARE, cwd=ROOT, module="bench.servercost"
+    )  # fmt: skip
+    if done.returncode == 2 and "valgrind" in done.stderr:
+        pytest.skip(done.stderr.strip())  # a system package: not in the test extra
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows: dict[str, int] = {}
+    for line in done.stdout.splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if cells and cells[0] in (FLOOR, BARE):
+            rows[cells[0]] = int(cells[1].replace(",", ""))
+    assert set(rows) == {FLOOR, BARE}
+    # A SET and a two-call script take the server thousands of instructions: they were counted;
+    # celery-lock's two scripts do all the floor does and more.
+    assert 5_000 < rows[FLOOR] < rows[BARE]
 
 
 def test_py_spy_stacks_are_summed_per_process_kind_and_per_task() -> None:

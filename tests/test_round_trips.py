@@ -33,7 +33,7 @@ PER_TASK = Counter({
     "evalsha": 2,  # acquire and release: the only round trips
     "get": 3,  # acquire reads the done-marker and the lock; release reads the lock
     "incr": 1,  # one fence per grant
-    "pttl": 1, "pexpire": 1,  # acquire gives the new fence counter its TTL
+    "pexpire": 1,  # acquire gives the new fence counter its TTL (no PTTL: it has none yet)
     "set": 2,  # the lease, then its done-marker
     "del": 1,  # the lease, released
 })  # fmt: skip
