@@ -39,6 +39,7 @@ from celery_lock.testing import find_redis_server, free_port
 
 from .cachegrind import ValgrindUnavailable, _summary
 from .lockcycle import BARE, CONTENDERS, FLOOR, LEAN, SCRIPTED_FLOOR, _lean_scripts
+from .machine import redis_server_version
 from .progress import note
 
 #: The cycles whose server work tells the scripts' cost apart (as ``server_time_per_cycle``).
@@ -148,12 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValgrindUnavailable as exc:
         print(f"python -m bench.servercost: {exc}", file=sys.stderr)
         return 2
-    version = subprocess.run(
-        [executable, "--version"], capture_output=True, text=True, check=False
-    ).stdout.strip()
     print(
         f"redis-server's own instructions per lock cycle, from servers of {args.cycles} and "
-        f"{3 * args.cycles} cycles under cachegrind ({version}):"
+        f"{3 * args.cycles} cycles under cachegrind (Redis {redis_server_version(executable)}):"
     )
     print(render(costs))
     return 0
