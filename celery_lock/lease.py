@@ -159,6 +159,9 @@ class Lease:
     _lost: bool = field(default=False, repr=False)
     #: Set by the task that releases it, once (a replaced body releases before it ends).
     released: bool = field(default=False, repr=False)
+    #: Set when the body published its retry (:meth:`celery_lock.LockedTask.retry`): the run
+    #: is not the request's last, so its release writes no done-marker.
+    retry_sent: bool = field(default=False, repr=False)
 
     @property
     def lost(self) -> bool:

@@ -81,8 +81,6 @@ logger = logging.getLogger(__name__)
 DEFERRALS_HEADER = "celery_lock_deferrals"
 #: Set on a request once a call has taken it over: a call that finds it set is a nested one.
 _ENTERED = "_celery_lock_entered"
-#: Set on a request whose body published its retry: the run is not the request's last.
-_RETRY_SENT = "_celery_lock_retry_sent"
 #: RabbitMQ's dead-lettering headers, which Celery drops from a message it publishes again
 #: (``celery.app.task.X_DEATH_HEADERS``, Celery 5.6+): RabbitMQ before 4.0.1 takes a copy that
 #: carries them, sent through native delayed delivery, for a dead-letter cycle and drops it.
@@ -450,14 +448,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
             result = self.run(*args, **kwargs)
             # A body that returns after retry(throw=False) (or after catching Retry) has sent
             # a copy of this task id on its way: a done-marker would have it acked unrun.
-            success = not request.__dict__.get(_RETRY_SENT, False)
+            success = not lease.retry_sent
             return result
         finally:
             self._release(lease, settings, heartbeat, success=success)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's :meth:`~celery.app.task.Task.retry`, noting on the request that the retry
-        was published, so that this run releases its lease without a done-marker however the
+        """Celery's :meth:`~celery.app.task.Task.retry`, noting on the run's lease that the
+        retry was published, so that the lease is released without a done-marker however the
         body ends (``throw=False``, or ``Retry`` caught and a value returned).
 
         The retry carries this task id: released with a done-marker, the request would look
@@ -474,9 +472,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
     def _note_retry_sent(self) -> None:
         request = self.request
+        lease: Lease | None = getattr(request, "lock_lease", None)
         # Eager or direct, Celery publishes nothing: no copy is on its way.
-        if not (request.is_eager or request.called_directly):
-            setattr(request, _RETRY_SENT, True)
+        if lease is not None and not (request.is_eager or request.called_directly):
+            lease.retry_sent = True
 
     def on_replace(self, sig: Signature[Any]) -> Any:
         """Hand the request on to ``sig``: release this run's lease (no done-marker), then send
