@@ -14,9 +14,12 @@ simulated cache: first-level instruction and data caches, and a last-level cache
   buffer's own counts, from a run that writes it and calls nothing, are taken off).
 
 Each figure is the difference between two runs of different length (``N`` and ``3N`` calls),
-so start-up and warm-up cancel; ``PYTHONHASHSEED`` is fixed so both runs do the same work. The
-counts are the same from run to run on one machine and interpreter, so two trees (``PYTHONPATH``)
-or two settings can be compared by a few hundred instructions. Needs ``valgrind`` on PATH.
+so start-up and warm-up cancel; ``PYTHONHASHSEED`` is fixed so both runs do the same work, and
+the environment is padded to one size (:func:`padded_environment`), which would otherwise move
+a call's count by up to 1,600 instructions. The counts then agree within a few hundred
+instructions from run to run on one machine and interpreter, and between two trees
+(``PYTHONPATH``), so a change of a thousand instructions or more shows. Needs ``valgrind`` on
+PATH.
 
 ::
 
@@ -53,6 +56,10 @@ UNUSED_URL = "redis://127.0.0.1:1/0"
 #: A cold run that calls nothing: what writing the buffer alone costs.
 BUFFER_ALONE = "buffer"
 WARMUP = 200
+#: What a measured process's environment and arguments are padded to, in bytes, and the
+#: variable that pads them (:func:`padded_environment`).
+STARTUP_BYTES = 65_536
+PAD_VARIABLE = "BENCH_PAD"
 
 
 class ValgrindUnavailable(RuntimeError):
@@ -84,6 +91,23 @@ def _run_calls(kind: str, count: int, thrash_bytes: int) -> None:
                 timed_calls(task, 1, number)
 
 
+def padded_environment(env: dict[str, str], command: Sequence[str]) -> dict[str, str]:
+    """``env`` with :data:`PAD_VARIABLE` added, so that the environment and the arguments the
+    process starts with take :data:`STARTUP_BYTES` in all.
+
+    Linux copies both onto the new process's stack, so their size moves where the stack begins,
+    and with it the alignment of everything the interpreter keeps there: one variable of three
+    bytes more moved a locked call's count by 700 instructions, a ``PYTHONPATH`` by 1,600 (of
+    253,000). Padded to one size, two trees (``PYTHONPATH``) and two shells compare alike.
+    """
+    used = sum(len(arg.encode()) + 1 for arg in command)
+    used += sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items() if k != PAD_VARIABLE)
+    room = STARTUP_BYTES - used - len(PAD_VARIABLE) - 2
+    if room < 0:
+        raise RuntimeError(f"the environment takes over {STARTUP_BYTES} bytes: unset something")
+    return {**env, PAD_VARIABLE: "x" * room}
+
+
 def _summary(out_file: Path) -> dict[str, int]:
     """The totals of a cachegrind output file, by event."""
     events: list[str] = []
@@ -104,7 +128,7 @@ def _cachegrind(
         f"--cachegrind-out-file={out_file}", sys.executable, "-m", "bench.cachegrind",
         "--child", kind, str(count), str(thrash_bytes),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    env = padded_environment({**os.environ, "PYTHONHASHSEED": "0"}, command)
     subprocess.run(command, check=True, capture_output=True, env=env, timeout=1800)
     return _summary(out_file)
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from programs import run_program
 
-from bench import report, stats
+from bench import cachegrind, report, stats
 from bench.endtoend import LOCKED, PLAIN
 from bench.lockcycle import BARE, FLOOR, LEAN, SCRIPTED_FLOOR
 from bench.report import headline
@@ -182,6 +182,21 @@ def test_cachegrind_counts_a_call_of_each_kind() -> None:
     for kind in ("plain", "locked"):
         # Even a no-op task's call runs well over 50,000 instructions: the calls were counted.
         assert int(rows["hot", kind][0].replace(",", "")) > 50_000
+
+
+def test_cachegrind_pads_the_environment_to_one_size() -> None:
+    """Where the measured process's stack begins does not depend on its environment's size."""
+    command = ["valgrind", "python", "-m", "bench.cachegrind"]
+
+    def size(env: dict[str, str]) -> int:
+        return sum(len(a) + 1 for a in command) + sum(len(k) + len(v) + 2 for k, v in env.items())
+
+    short = cachegrind.padded_environment({"A": "1"}, command)
+    long = cachegrind.padded_environment({"A": "1", "PYTHONPATH": "/some/tree" * 20}, command)
+    assert size(short) == size(long) == cachegrind.STARTUP_BYTES
+    assert cachegrind.padded_environment(long, command) == long  # padding again changes nothing
+    with pytest.raises(RuntimeError, match="unset something"):
+        cachegrind.padded_environment({"HUGE": "x" * cachegrind.STARTUP_BYTES}, command)
 
 
 @pytest.mark.timeout(QUICK_LIMIT)
