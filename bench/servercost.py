@@ -21,21 +21,16 @@ reads and two writes per cycle for every contender). Needs ``valgrind`` on PATH.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from shutil import which
 
-import redis
-
 from celery_lock.store import LockStore
-from celery_lock.testing import find_redis_server, free_port
+from celery_lock.testing import RedisServer, find_redis_server
 
 from .cachegrind import ValgrindUnavailable, _summary
 from .lockcycle import BARE, CONTENDERS, FLOOR, LEAN, SCRIPTED_FLOOR, _lean_scripts
@@ -58,53 +53,23 @@ class ServerCost:
     instructions: float
 
 
-def _wait_until_it_answers(client: redis.Redis, server: subprocess.Popen[bytes]) -> None:
-    for _ in range(int(START_TIMEOUT / 0.1)):
-        if server.poll() is not None:
-            raise RuntimeError(f"redis-server under valgrind exited ({server.returncode})")
-        try:
-            client.ping()
-            return
-        except redis.ConnectionError:
-            with suppress(subprocess.TimeoutExpired):
-                server.wait(0.1)
-    raise TimeoutError(f"redis-server under valgrind did not answer in {START_TIMEOUT:.0f}s")
-
-
-def _stop(server: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server (valgrind writes its counts as it exits), SIGKILL it if it hangs."""
-    if server.poll() is None:
-        os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(EXIT_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(10)
-
-
 def counted_run(contender: str, cycles: int, executable: str, tmp: Path) -> int:
     """Instructions one ``redis-server`` executed in all, having taken ``cycles`` cycles."""
     out_file = tmp / f"{SETUPS[contender].__name__}-{cycles}.out"
-    port = free_port()
-    command = [
-        "valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out_file}",
-        executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-        "--appendonly", "no", "--hz", "1", "--dir", str(tmp),
-    ]  # fmt: skip
-    server = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    valgrind = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
+                f"--cachegrind-out-file={out_file}"]  # fmt: skip
+    server = RedisServer(extra_args=["--hz", "1"], executable=executable, launcher=valgrind)
+    server.start(timeout=START_TIMEOUT)
     try:
-        store = LockStore.from_url(f"redis://127.0.0.1:{port}/0")
+        store = LockStore.from_url(server.url)
         with ExitStack() as stack:
             stack.callback(store.client.close)
-            _wait_until_it_answers(store.client, server)
             cycle = SETUPS[contender](store, stack)
             cycle(-1)  # in both runs alike: the scripts loaded, the connection made
             for n in range(cycles):
                 cycle(n)
     finally:
-        _stop(server)
+        server.stop(timeout=EXIT_TIMEOUT)  # SIGTERM: valgrind writes its counts as it exits
     return _summary(out_file)["Ir"]
 
 

@@ -97,6 +97,9 @@ class RedisServer:
         extra_args: Extra command-line arguments, e.g. ``["--requirepass", "x"]`` (the
             password is then used by :attr:`url` and :meth:`client`).
         executable: ``redis-server`` binary; defaults to :func:`find_redis_server`.
+        launcher: A command the server runs under, e.g. ``["valgrind", "--tool=cachegrind"]``
+            or ``["taskset", "-c", "1"]``. It must run the server in its own process (as
+            those do), since readiness is the server reporting the pid that was started.
     """
 
     def __init__(
@@ -104,10 +107,12 @@ class RedisServer:
         port: int | None = None,
         extra_args: list[str] | None = None,
         executable: str | None = None,
+        launcher: list[str] | None = None,
     ) -> None:
         self.port = port if port is not None else free_port()
         self.extra_args = list(extra_args or [])
         self.executable = executable or find_redis_server()
+        self.launcher = list(launcher or [])
         args = self.extra_args
         self.password = args[args.index("--requirepass") + 1] if "--requirepass" in args else None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -154,7 +159,7 @@ class RedisServer:
             return
         self._dir = tempfile.TemporaryDirectory(prefix="celery-lock-redis-")
         log = Path(self._dir.name, "redis.log")
-        cmd = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1"]
+        cmd = [*self.launcher, self.executable, "--port", str(self.port), "--bind", "127.0.0.1"]
         cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
         cmd += ["--dir", self._dir.name, "--logfile", str(log), *self.extra_args]
         # Own session: a Ctrl-C meant for the caller must not kill the server under it. Its

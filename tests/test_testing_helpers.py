@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import socket
 import time
@@ -152,6 +153,16 @@ def test_redis_server_pause_makes_ping_time_out(server: RedisServer) -> None:
         server.resume()
     with server.client(socket_timeout=2) as client:
         assert client.ping()
+
+
+def test_redis_server_runs_under_a_launcher() -> None:
+    # nice(1) runs the server in its own process, as valgrind does, and leaves a mark on it.
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    with RedisServer(launcher=["nice", "-n", "3"]) as srv:
+        assert srv.pid is not None
+        with srv.client() as client:
+            assert client.info("server")["process_id"] == srv.pid
+        assert os.getpriority(os.PRIO_PROCESS, srv.pid) == min(ours + 3, 19)
 
 
 def test_redis_server_with_password() -> None:
