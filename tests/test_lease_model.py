@@ -34,7 +34,6 @@ from hypothesis.stateful import (
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Done, Held, Holder, Lease, new_token
 from celery_lock.store import LockStore
-from celery_lock.testing import RedisServer
 
 REQUESTS = ("a", "b")
 #: Two stages of one scope: they share the lease and the fence, each has its own done-marker.
@@ -44,8 +43,6 @@ FENCE_TTLS_MS = (20_000, 90_000)
 DONE_TTL_MS = 120_000
 #: What the fence counter's TTL may have lost to the time the steps take.
 SLACK_MS = 5_000
-#: A database of the session's server that no other test uses.
-MODEL_DB = 9
 
 
 def keys_of(request: str, task: str) -> RequestKeys:
@@ -197,17 +194,13 @@ class LeaseModel(RuleBasedStateMachine):
 
 
 @pytest.mark.timeout(600)
-def test_the_scripts_keep_the_contract_in_any_order_of_steps(redis_server: RedisServer) -> None:
-    url = redis_server.url_for(MODEL_DB)
-    try:
-        run_state_machine_as_test(
-            lambda: LeaseModel(url),
-            settings=settings(
-                max_examples=60,
-                stateful_step_count=40,
-                deadline=None,
-                suppress_health_check=[HealthCheck.too_slow],
-            ),
-        )
-    finally:
-        redis_server.flush(MODEL_DB)
+def test_the_scripts_keep_the_contract_in_any_order_of_steps(lock_url: str) -> None:
+    run_state_machine_as_test(
+        lambda: LeaseModel(lock_url),
+        settings=settings(
+            max_examples=60,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
