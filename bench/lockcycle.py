@@ -264,6 +264,15 @@ CONTENDERS: dict[str, Callable[[LockStore, ExitStack], Cycle]] = {
     "pottery Redlock": _pottery,
 }
 
+#: The cycles whose server work tells the scripts' cost apart: the floors, celery-lock's scripts
+#: and the leanest scripts for its steps (timed only on the server, not a contender).
+SERVER_SIDE: dict[str, Callable[[LockStore, ExitStack], Cycle]] = {
+    FLOOR: _floor,
+    SCRIPTED_FLOOR: _scripted_floor,
+    BARE: _bare_scripts,
+    LEAN: _lean_scripts,
+}
+
 
 def _timed(cycle: Cycle, start: int, count: int) -> float:
     """Cycles per second over ``count`` fresh keys."""
@@ -332,11 +341,10 @@ def server_time_per_cycle(url: str, cycles: int = 2000, repeats: int = 7) -> dic
         BARE: ("cmdstat_evalsha",),
         LEAN: ("cmdstat_evalsha",),
     }
-    setups = {**CONTENDERS, LEAN: _lean_scripts}
     found: dict[str, list[float]] = {name: [] for name in sent}
     with ExitStack() as stack:
         stack.callback(client.close)
-        cycles_of = {name: setups[name](store, stack) for name in sent}
+        cycles_of = {name: SERVER_SIDE[name](store, stack) for name in sent}
         for cycle in cycles_of.values():
             cycle(-2)  # outside the count: scripts loaded, connection made
         next_key = 20_000_000

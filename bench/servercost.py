@@ -33,13 +33,11 @@ from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer, find_redis_server
 
 from .cachegrind import ValgrindUnavailable, _summary
-from .lockcycle import BARE, CONTENDERS, FLOOR, LEAN, SCRIPTED_FLOOR, _lean_scripts
+from .lockcycle import FLOOR, SERVER_SIDE
 from .machine import redis_server_version
 from .progress import note
 
-#: The cycles whose server work tells the scripts' cost apart (as ``server_time_per_cycle``).
-MEASURED = (FLOOR, SCRIPTED_FLOOR, BARE, LEAN)
-SETUPS = {**CONTENDERS, LEAN: _lean_scripts}
+MEASURED = tuple(SERVER_SIDE)
 #: Seconds a server under valgrind may take to answer, and to exit once asked.
 START_TIMEOUT = 120.0
 EXIT_TIMEOUT = 120.0
@@ -55,7 +53,8 @@ class ServerCost:
 
 def counted_run(contender: str, cycles: int, executable: str, tmp: Path) -> int:
     """Instructions one ``redis-server`` executed in all, having taken ``cycles`` cycles."""
-    out_file = tmp / f"{SETUPS[contender].__name__}-{cycles}.out"
+    # Named by position: the scripted contenders' setups share one function name.
+    out_file = tmp / f"{MEASURED.index(contender)}-{cycles}.out"
     valgrind = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
                 f"--cachegrind-out-file={out_file}"]  # fmt: skip
     server = RedisServer(extra_args=["--hz", "1"], executable=executable, launcher=valgrind)
@@ -64,7 +63,7 @@ def counted_run(contender: str, cycles: int, executable: str, tmp: Path) -> int:
         store = LockStore.from_url(server.url)
         with ExitStack() as stack:
             stack.callback(store.client.close)
-            cycle = SETUPS[contender](store, stack)
+            cycle = SERVER_SIDE[contender](store, stack)
             cycle(-1)  # in both runs alike: the scripts loaded, the connection made
             for n in range(cycles):
                 cycle(n)
