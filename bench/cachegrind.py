@@ -108,7 +108,7 @@ def padded_environment(env: dict[str, str], command: Sequence[str]) -> dict[str,
     return {**env, PAD_VARIABLE: "x" * room}
 
 
-def _summary(out_file: Path) -> dict[str, int]:
+def output_totals(out_file: Path) -> dict[str, int]:
     """The totals of a cachegrind output file, by event."""
     events: list[str] = []
     for text in out_file.read_text().splitlines():
@@ -130,7 +130,7 @@ def _cachegrind(
     ]  # fmt: skip
     env = padded_environment({**os.environ, "PYTHONHASHSEED": "0"}, command)
     subprocess.run(command, check=True, capture_output=True, env=env, timeout=1800)
-    return _summary(out_file)
+    return output_totals(out_file)
 
 
 def measure(

@@ -32,7 +32,7 @@ from shutil import which
 from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer, find_redis_server
 
-from .cachegrind import ValgrindUnavailable, _summary
+from .cachegrind import ValgrindUnavailable, output_totals
 from .lockcycle import FLOOR, SERVER_SIDE
 from .machine import redis_server_version
 from .progress import note
@@ -69,7 +69,7 @@ def counted_run(contender: str, cycles: int, executable: str, tmp: Path) -> int:
                 cycle(n)
     finally:
         server.stop(timeout=EXIT_TIMEOUT)  # SIGTERM: valgrind writes its counts as it exits
-    return _summary(out_file)["Ir"]
+    return output_totals(out_file)["Ir"]
 
 
 def measure(cycles: int, executable: str, contenders: Sequence[str] = MEASURED) -> list[ServerCost]:
