@@ -12,6 +12,7 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from celery import Celery
 
@@ -42,12 +43,27 @@ def lock_store_url(app: Celery, settings: LockSettings) -> str:
     if settings.redis_url:
         return settings.redis_url
     broker = first_broker_url(app)
-    if broker.split("://", 1)[0] in ("redis", "rediss", "unix"):
+    scheme = broker.split("://", 1)[0]
+    if scheme == "redis+socket":
+        return validate_redis_url("broker_url", _socket_broker_as_redis_url(broker))
+    if scheme in ("redis", "rediss", "unix"):
         return validate_redis_url("broker_url", broker)
     raise ConfigurationError(
         "celery_lock_redis_url",
         "not set, and the broker is not Redis: set it to the lock store's redis:// URL",
     )
+
+
+def _socket_broker_as_redis_url(broker: str) -> str:
+    """Celery's URL of a Redis broker on a unix socket, ``redis+socket:///path?virtual_host=N``,
+    as redis-py writes it: ``unix:///path?db=N``."""
+    parts = urlsplit(broker)
+    query = [
+        ("db", value.lstrip("/")) if name == "virtual_host" else (name, value)
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+    ]
+    url = f"unix://{parts.netloc}{parts.path}"  # urlunsplit would drop an empty netloc's //
+    return f"{url}?{urlencode(query)}" if query else url
 
 
 class Runtime:

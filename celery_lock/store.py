@@ -223,10 +223,25 @@ class LockStore:
     # -- the server behind the client ---------------------------------------------------------
 
     def _on_connect(self, connection: Any) -> None:
-        """redis-py's connect hook: the usual handshake, then note the server's ``run_id``."""
+        """redis-py's connect hook: the usual handshake, then, in one round trip, a ``PING``
+        and the server's ``run_id``.
+
+        redis-py's health check sends ``PING`` before a command on a connection idle for
+        ``health_check_interval``; refused by an ACL (a user allowed only
+        ``@read @write @scripting``), it would fail that command: an extend after a quiet
+        interval, a release after a long body, the first acquire after a quiet spell. Such a
+        connection goes without the check: a connection the server dropped meanwhile fails the
+        command instead, which the store tries again on a new one.
+        """
         connection.on_connect()
+        connection.send_command("PING", check_health=False)
+        connection.send_command("INFO", "server", check_health=False)
         try:
-            connection.send_command("INFO", "server")
+            connection.read_response()
+        except redis.ResponseError as exc:
+            logger.debug("celery-lock: no health check on the lock store's connection: %s", exc)
+            connection.health_check_interval = 0
+        try:
             info = connection.read_response()
         except redis.ResponseError as exc:  # INFO denied by an ACL: run without the check
             logger.debug("celery-lock: cannot read the lock store's run_id: %s", exc)

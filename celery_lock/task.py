@@ -54,6 +54,13 @@ from celery._state import _task_stack  # type: ignore[attr-defined]
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
+try:
+    from celery.app.trace import (  # type: ignore[attr-defined]  # not in celery-types
+        get_actual_ignore_result as _get_actual_ignore_result,
+    )
+except ImportError:  # Celery before 5.6.3
+    _get_actual_ignore_result = None
+
 from . import signals
 from .config import LockSettings
 from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event, send_task_event_apart
@@ -130,6 +137,15 @@ def _run_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
     signature = inspect.signature(run)
     parameters = list(signature.parameters.values())[1:]
     return signature.replace(parameters=parameters)
+
+
+def _ignores_result(task: Task[Any, Any], request: Any) -> bool:
+    """Whether Celery stores no result for this call, as it decides for the call's own result:
+    since Celery 5.6.3 a call's ``ignore_result`` (every message carries one) overrides the
+    task's; before, the task's and the call's each ignore it."""
+    if _get_actual_ignore_result is not None:
+        return bool(_get_actual_ignore_result(task, request))
+    return bool(task.ignore_result or getattr(request, "ignore_result", False))
 
 
 def _check_scope(task_name: str, scope: Any) -> None:
@@ -233,10 +249,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
         }  # fmt: skip
 
     @classmethod
-    def on_bind(cls, app: Any) -> None:
-        """Wire celery-lock into ``app`` (signals, bootstep) when the task binds to it."""
+    def on_bound(cls, app: Any) -> None:
+        """Wire celery-lock into ``app`` (signals, bootstep) when the task binds to it
+        (Celery's hook, called by ``Task.bind``)."""
         from .worker import install  # noqa: PLC0415 - worker imports this module
 
+        super().on_bound(app)
         install(app)
 
     # -- caller side ---------------------------------------------------------------------------
@@ -586,8 +604,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 fields = SkippedCopy(keys.lock, reason, holder).event_fields()
                 send_task_event(self, TASK_SKIPPED, request.id, request.hostname, **fields)
             return meta
-        ignores_result = self.ignore_result or getattr(request, "ignore_result", False)
-        if request.id and not request.is_eager and not ignores_result:
+        if request.id and not request.is_eager and not _ignores_result(self, request):
             self.update_state(task_id=request.id, state=SKIPPED, meta=meta)
         return _Ignored(SkippedCopy(keys.lock, reason, holder))
 

@@ -20,6 +20,7 @@ from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.runtime import lock_store_url
 from celery_lock.store import LockStore
+from celery_lock.testing import RedisServer
 
 # One valid, non-default value per setting, and the value it resolves to.
 VALID = {
@@ -403,6 +404,7 @@ def test_task_heartbeat_interval_is_checked_against_the_conf_ttl(app: Celery) ->
     [
         ("redis://h:6379/0", 3600),
         ("rediss://h:6379/0", 3600),
+        ("redis+socket:///run/redis.sock", 3600),
         ("sentinel://h:26379;sentinel://h2:26379", 3600),
         (["redis://h:6379/0", "redis://h2:6379/0"], 3600),  # failover brokers, as a list
         ("sqs://", 1800),
@@ -445,6 +447,27 @@ def test_the_lock_store_is_the_first_of_failover_redis_brokers(broker: Any) -> N
     app = Celery("config_tests", broker=broker, set_as_current=False)
     assert lock_store_url(app, LockSettings()) == "redis://a:6379/0"
     assert lock_store_url(app, LockSettings(redis_url="redis://l/0")) == "redis://l/0"
+
+
+def test_the_lock_store_follows_a_redis_broker_on_a_unix_socket(tmp_path: Path) -> None:
+    """Celery writes a Redis broker on a unix socket ``redis+socket://``, its database as
+    ``virtual_host``; redis-py, ``unix://`` and ``db``."""
+    socket = tmp_path / "redis.sock"
+    broker = f"redis+socket://{socket}?virtual_host=2"
+    app = Celery("config_tests", broker=broker, set_as_current=False)
+    url = lock_store_url(app, LockSettings())
+    assert url == f"unix://{socket}?db=2"
+    keys = RequestKeys.build("celery-lock", "t", "1", "t")
+    with RedisServer(extra_args=["--unixsocket", str(socket), "--unixsocketperm", "700"]):
+        store = LockStore.from_url(url)
+        database_2 = redis.Redis(unix_socket_path=str(socket), db=2)
+        try:
+            outcome = store.acquire(keys, new_token(), 5_000, Holder("a", "t", "h", 1), 60_000)
+            assert isinstance(outcome, Acquired)
+            assert database_2.exists(keys.lock)
+        finally:
+            store.client.close()
+            database_2.close()
 
 
 @pytest.mark.parametrize("broker", [["amqp://guest@h//", "redis://b:6379/0"], [], "memory://"])

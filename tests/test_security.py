@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,11 @@ def guarded_server() -> Iterator[RedisServer]:
         admin.acl_setuser(
             "locker", enabled=True, passwords=[f"+{PASSWORD}"], keys=["celery-lock:*"],
             commands=["+@read", "+@write", "+@scripting", "+@connection", "-@dangerous"],
+        )  # fmt: skip
+        # Only what the scripts need: no @connection, so no PING.
+        admin.acl_setuser(
+            "scripter", enabled=True, passwords=[f"+{PASSWORD}"], keys=["celery-lock:*"],
+            commands=["+@read", "+@write", "+@scripting", "-@dangerous"],
         )  # fmt: skip
         admin.close()
         yield server
@@ -65,6 +71,61 @@ def test_acl_user_limited_to_the_prefix_runs_every_script(guarded_server: RedisS
             store.client.set("elsewhere", 1)  # the ACL is real: only our prefix is writable
     finally:
         store.client.close()
+
+
+def idle_checked_store(server: RedisServer, user: str) -> LockStore:
+    """A store for ``user`` whose connections are health-checked after one second idle
+    (30 s in use), so that a test can outwait the check."""
+    store = LockStore.from_url(f"redis://{user}:{PASSWORD}@127.0.0.1:{server.port}/0")
+    store.client.connection_pool.connection_kwargs["health_check_interval"] = 1
+    return store
+
+
+def test_user_refused_ping_keeps_working_after_its_connections_idle(
+    guarded_server: RedisServer,
+) -> None:
+    """redis-py PINGs a connection idle for its health-check interval before the next command;
+    refused that PING, an extend after a quiet interval (the heartbeat's pooled connection) or
+    a release after a long body (the store's own) failed, and the lease was lost or held on."""
+    store = idle_checked_store(guarded_server, "scripter")
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            store.client.ping()  # the ACL is real: this user may not PING
+        token = new_token()
+        outcome = store.acquire(KEYS, token, 5_000, HOLDER, 60_000)
+        assert isinstance(outcome, Acquired)
+        lease = Lease(store, KEYS, token, 5_000, outcome.fence, HOLDER)
+        assert store.extend_all([lease]) == [True]
+        time.sleep(1.5)
+        assert store.extend_all([lease]) == [True]
+        assert store.release(lease, success=True, done_ttl_ms=60_000)
+        time.sleep(1.5)
+        assert store.acquire(KEYS, new_token(), 5_000, HOLDER, 60_000) == Done("task-1")
+    finally:
+        store.client.delete(KEYS.done, KEYS.fence)
+        store.client.close()
+
+
+def test_user_allowed_ping_keeps_the_health_check(guarded_server: RedisServer) -> None:
+    store = idle_checked_store(guarded_server, "locker")
+    admin = guarded_server.client()
+
+    def pings() -> int:
+        return int(admin.info("commandstats").get("cmdstat_ping", {}).get("calls", 0))
+
+    try:
+        token = new_token()
+        outcome = store.acquire(KEYS, token, 5_000, HOLDER, 60_000)
+        assert isinstance(outcome, Acquired)
+        lease = Lease(store, KEYS, token, 5_000, outcome.fence, HOLDER)
+        time.sleep(1.5)
+        before = pings()
+        assert store.release(lease, success=False, done_ttl_ms=60_000)
+        assert pings() == before + 1  # the health check ran before the release
+    finally:
+        store.client.delete(KEYS.fence)
+        store.client.close()
+        admin.close()
 
 
 def test_rediss_url_is_passed_through_to_redis_py() -> None:

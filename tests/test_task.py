@@ -169,11 +169,18 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
             return f"{value}; lease handed on"
         return f"{value}; lease still held"
 
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="request_idx", name="t.quiet", ignore_result=True
+    )
+    def quiet(self: Any, request_idx: int) -> str:
+        seen(self)
+        return f"quiet {request_idx}"
+
     @celery_app.task(name="t.nothing")
     def nothing() -> None:
         return None
 
-    every = (process, pending, stage, flaky, resend, boom, slow, walk, hop, relay, nothing)
+    every = (process, pending, stage, flaky, resend, boom, slow, walk, hop, relay, quiet, nothing)
     return {t.name.split(".", 1)[1]: t for t in every}
 
 
@@ -253,6 +260,20 @@ def test_copy_of_done_request_is_skipped_and_follows_to_holder(
     assert copy.info["reason"] == "done"
     assert copy.info["holder"] == first.id
     assert calls.count("t.process") == 1
+
+
+def test_a_skipped_copy_stores_skipped_when_its_call_asks_for_a_result(
+    worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    """Celery stores a call's result by the call's own ignore_result, which overrides the
+    task's: a skipped copy of such a call stores SKIPPED too, or it stayed PENDING and follow()
+    waited on it until its timeout."""
+    quiet = tasks["quiet"]
+    assert quiet.apply_async((6,), ignore_result=False).get(timeout=TIMEOUT) == "quiet 6"
+    hold(store, quiet, 7, "holder-id")
+    copy = quiet.apply_async((7,), ignore_result=False)
+    wait_for("the copy to be SKIPPED", lambda: copy.state == SKIPPED, TIMEOUT)
+    assert copy.info["holder"] == "holder-id"
 
 
 def skipped_copy(task: Any, request_idx: int, reason: str) -> Any:

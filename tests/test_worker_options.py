@@ -29,10 +29,10 @@ APP = "tests.apps.storm_app"
 
 
 def celery(
-    *args: str, env: dict[str, str], timeout: float = 60
+    *args: str, env: dict[str, str], timeout: float = 60, app: str = APP
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP, *args],
+        [sys.executable, "-m", "celery", "-A", app, *args],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
     )  # fmt: skip
 
@@ -93,6 +93,16 @@ def test_an_invalid_setting_of_the_app_stops_the_worker_with_one_line(
     assert done.returncode == 1, done.stderr
     assert f"Error: celery-lock: {problem}" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_binding_a_locked_task_installs_celery_lock_without_install_being_called() -> None:
+    """Celery calls ``Task.on_bound`` when a task binds to its app: a worker of an app that never
+    called ``celery_lock.install`` still runs the start-up checks (and the heartbeat's signals),
+    so an invalid setting stops it instead of every task failing."""
+    env = {**os.environ, "BARE_CONF": json.dumps({"celery_lock_ttl": -5})}
+    done = celery("worker", "--pool", "solo", env=env, timeout=30, app="tests.apps.bare_app")
+    assert done.returncode == 1, done.stderr
+    assert "Error: celery-lock: celery_lock_ttl: must be a positive number" in done.stderr
 
 
 def test_worker_option_contradicting_a_task_option_names_both() -> None:
