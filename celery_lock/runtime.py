@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from celery import Celery
 
@@ -39,19 +40,52 @@ def first_broker_url(app: Celery) -> str:
 
 def lock_store_url(app: Celery, settings: LockSettings) -> str:
     """The lock store URL: ``celery_lock_redis_url``, else the broker URL when it is Redis
-    (the first URL, where ``broker_url`` lists failover brokers)."""
+    (the first URL, where ``broker_url`` lists failover brokers; a ``rediss://`` one with the
+    options of ``broker_use_ssl``)."""
     if settings.redis_url:
         return settings.redis_url
     broker = first_broker_url(app)
     scheme = broker.split("://", 1)[0]
     if scheme == "redis+socket":
         return validate_redis_url("broker_url", _socket_broker_as_redis_url(broker))
-    if scheme in ("redis", "rediss", "unix"):
+    if scheme == "rediss":
+        return validate_redis_url("broker_url", _with_broker_ssl(app, broker))
+    if scheme in ("redis", "unix"):
         return validate_redis_url("broker_url", broker)
     raise ConfigurationError(
         "celery_lock_redis_url",
         "not set, and the broker is not Redis: set it to the lock store's redis:// URL",
     )
+
+
+def _with_broker_ssl(app: Celery, broker: str) -> str:
+    """A ``rediss://`` broker URL with the options of ``broker_use_ssl`` (a dict) that it does
+    not give itself added to its query, as redis-py reads them: the lock store on the broker's
+    server connects as kombu does, trusting the same CA (``ssl_ca_certs``) and showing the same
+    client certificate."""
+    options = app.conf.broker_use_ssl
+    if not isinstance(options, Mapping) or not options:
+        return broker
+    parts = urlsplit(broker)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    given = {name for name, _ in query}
+    query += [
+        (name, _query_value(value))
+        for name, value in options.items()
+        if name not in given and value is not None
+    ]
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def _query_value(value: Any) -> str:
+    """An ``ssl`` option's value as redis-py reads it from a URL's query."""
+    if isinstance(value, ssl.VerifyMode):
+        return {ssl.CERT_NONE: "none", ssl.CERT_OPTIONAL: "optional"}.get(value, "required")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):  # an IntEnum too (ssl.TLSVersion): its number
+        return str(int(value))
+    return str(value)
 
 
 def _socket_broker_as_redis_url(broker: str) -> str:

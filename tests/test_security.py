@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import logging
+import os
+import ssl
 import time
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
+from urllib.parse import quote
 
 import pytest
 import redis
+import trustme
 from celery import Celery
 from conftest import wait_for
 from redis.connection import SSLConnection
 
-from celery_lock import SKIPPED, LockedTask
+from celery_lock import SKIPPED, LockedTask, LockSettings, LockStoreUnavailableError
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Done, Holder, Lease, new_token
-from celery_lock.runtime import reset_runtime
+from celery_lock.runtime import lock_store_url, reset_runtime
 from celery_lock.store import LockStore
-from celery_lock.testing import RedisServer
+from celery_lock.testing import RedisServer, find_redis_server, free_port
 
 HOLDER = Holder("task-1", "shop.process", "host", 1)
 KEYS = RequestKeys.build("celery-lock", "shop.process", "42", "shop.process")
@@ -126,6 +131,89 @@ def test_user_allowed_ping_keeps_the_health_check(guarded_server: RedisServer) -
         store.client.delete(KEYS.fence)
         store.client.close()
         admin.close()
+
+
+class TlsServer(NamedTuple):
+    server: RedisServer
+    tls_port: int
+    ca_file: str
+
+
+def start_tls_server(directory: Path) -> TlsServer:
+    """A redis-server that also listens with TLS, on a certificate of a CA of its own (which no
+    system trusts); from the first ``redis-server`` found that was built with TLS."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.private_key_pem.write_to_path(str(directory / "server.key"))
+    cert.cert_chain_pems[0].write_to_path(str(directory / "server.crt"))
+    ca.cert_pem.write_to_path(str(directory / "ca.crt"))
+    tls_port = free_port()
+    tls_args = [
+        "--tls-port", str(tls_port), "--tls-auth-clients", "no",
+        "--tls-cert-file", str(directory / "server.crt"),
+        "--tls-key-file", str(directory / "server.key"),
+        "--tls-ca-cert-file", str(directory / "ca.crt"),
+    ]  # fmt: skip
+    candidates = list(dict.fromkeys([find_redis_server(), "/usr/bin/redis-server"]))
+    for executable in filter(os.path.exists, candidates):
+        server = RedisServer(extra_args=tls_args, executable=executable)
+        try:
+            server.start()
+        except RuntimeError:  # built without TLS: it refuses --tls-port
+            continue
+        return TlsServer(server, tls_port, str(directory / "ca.crt"))
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"no redis-server built with TLS among {candidates} and CI=true")
+    pytest.skip(f"no redis-server built with TLS among {candidates}")
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServer]:
+    tls = start_tls_server(tmp_path_factory.mktemp("tls"))
+    yield tls
+    tls.server.stop()
+
+
+def test_a_rediss_broker_lends_the_lock_store_its_broker_use_ssl(tls_server: TlsServer) -> None:
+    """The lock store that defaults to a ``rediss://`` broker connects as the broker does: with
+    ``broker_use_ssl``'s CA, which no system trusts, it verifies the server; without it, the
+    server cannot be verified and every task would be deferred."""
+    broker = f"rediss://127.0.0.1:{tls_server.tls_port}/0"
+    app = Celery("tls", broker=broker, set_as_current=False)
+    app.conf.broker_use_ssl = {
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+        "ssl_ca_certs": tls_server.ca_file,
+    }
+    url = lock_store_url(app, LockSettings())
+    ca = quote(tls_server.ca_file, safe="")
+    assert url == f"{broker}?ssl_cert_reqs=required&ssl_ca_certs={ca}"
+    store = LockStore.from_url(url, retry_attempts=1)
+    try:
+        full_cycle(store)
+    finally:
+        store.client.close()
+
+    app.conf.broker_use_ssl = None  # the system's CAs: this server's certificate is refused
+    unverified = LockStore.from_url(lock_store_url(app, LockSettings()), retry_attempts=1)
+    try:
+        with pytest.raises(LockStoreUnavailableError, match="CERTIFICATE_VERIFY_FAILED"):
+            unverified.acquire(KEYS, new_token(), 5_000, HOLDER, 60_000)
+    finally:
+        unverified.client.close()
+
+
+def test_a_url_of_its_own_is_not_given_the_brokers_ssl_options() -> None:
+    app = Celery("tls", broker="rediss://broker:6380/0", set_as_current=False)
+    app.conf.broker_use_ssl = {"ssl_cert_reqs": ssl.CERT_NONE, "ssl_check_hostname": False}
+    assert lock_store_url(app, LockSettings()) == (
+        "rediss://broker:6380/0?ssl_cert_reqs=none&ssl_check_hostname=false"
+    )
+    mine = "rediss://locks:6380/0?ssl_cert_reqs=required"
+    assert lock_store_url(app, LockSettings(redis_url=mine)) == mine
+    app.conf.broker_url = "rediss://broker:6380/0?ssl_cert_reqs=optional"  # the URL's own wins
+    assert lock_store_url(app, LockSettings()) == (
+        "rediss://broker:6380/0?ssl_cert_reqs=optional&ssl_check_hostname=false"
+    )
 
 
 def test_rediss_url_is_passed_through_to_redis_py() -> None:
