@@ -2,11 +2,12 @@
 
 * a done-marker that lives shorter than the broker's visibility timeout: a message redelivered
   after the marker expired would run its request again;
-* a heartbeat interval above half the lease TTL: one late beat and the lease lapses;
+* a heartbeat interval above a third of the lease TTL (fewer than three beats per TTL): after
+  one missed beat, the next has less than an interval's margin before the lease lapses;
 * a lock store that may evict keys (``maxmemory`` with a policy other than ``noeviction``):
   an evicted lease lets a second copy in while the first still runs;
-* a lock store that cannot be reached (or refuses the user or password): until it can, tasks
-  are deferred (or fail); a warning, since it may come up later;
+* a lock store that cannot be reached (or refuses the user or password, or the connection):
+  until it can, tasks are deferred (or fail); a warning, since it may come up later;
 * a setting that lost its ``celery_`` prefix (``lock_ttl`` in ``app.conf``), which nothing
   reads. (Django's ``config_from_object("django.conf:settings", namespace="CELERY")`` shows a
   ``CELERY_LOCK_TTL`` setting as ``lock_ttl`` too, but it is read, as ``CELERY_LOCK_TTL``: see
@@ -27,7 +28,7 @@ from celery import Celery
 
 from .config import LockSettings, conf_value
 from .runtime import first_broker_url
-from .store import REFUSED_ERRORS, TRANSIENT_ERRORS, LockStore, address_of
+from .store import REFUSED_ERRORS, TRANSIENT_ERRORS, LockStore, address_of, reach
 
 __all__ = ["misnamed_settings", "settings_warnings", "store_warnings", "warn_at_startup"]
 
@@ -68,10 +69,12 @@ def settings_warnings(app: Celery, name: str, settings: LockSettings) -> list[st
             f"{name}: done TTL ({settings.done_ttl:g}s) is shorter than the broker's visibility "
             f"timeout ({visibility:g}s): a late redelivery would run a finished request again"
         )
-    if settings.interval > settings.ttl / 2:
+    # The default interval, a third of the TTL, passes (give or take its rounding).
+    if settings.interval * 3 > settings.ttl * (1 + 1e-9):
         found.append(
-            f"{name}: heartbeat interval ({settings.interval:g}s) is above half the lease TTL "
-            f"({settings.ttl:g}s): one late beat and the lease lapses while the task runs"
+            f"{name}: heartbeat interval ({settings.interval:g}s) is above a third of the lease "
+            f"TTL ({settings.ttl:g}s): after one missed beat, the next has less than an "
+            "interval's margin before the lease lapses while the task runs"
         )
     return found
 
@@ -107,7 +110,17 @@ def store_warnings(store: LockStore) -> list[str]:
             f"lock store {address} not reachable: {_text(exc)}; tasks will be deferred (or run "
             "unlocked under fail_open) until it is"
         ]
-    except redis.RedisError:  # CONFIG denied (a managed service, an ACL): cannot tell
+    except redis.RedisError as exc:
+        # CONFIG denied (a managed service, an ACL): cannot tell. Unless connecting itself was
+        # refused (a SELECT the user may not send, a database out of range), which fails every
+        # command: a command any lock store user may send tells which.
+        try:
+            reach(store.client)
+        except redis.RedisError:
+            return [
+                f"lock store {address} refused the connection: {_text(exc)}; tasks will fail "
+                "until the lock store URL, or its user's permissions, are fixed"
+            ]
         return []
     policy = str(config.get("maxmemory-policy", "noeviction"))
     if int(config.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":

@@ -35,6 +35,7 @@ from .exceptions import ConfigurationError
 from .keys import stored_key_part
 from .lease import decode_lock
 from .runtime import lock_store_url
+from .store import reach
 
 __all__ = ["LeaseInfo", "lock"]
 
@@ -348,9 +349,11 @@ def _admin(ctx: click.Context) -> LockAdmin:
     url, prefix = _store(app, options, app_given=bool(ctx.find_root().params.get("app")))
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
-        client.ping()
+        reach(client)  # not PING, which a user allowed only what the scripts need may not send
     except redis.AuthenticationError as exc:  # NOAUTH, WRONGPASS: the URL's user or password
         raise click.ClickException(f"cannot log in to the lock store: {exc}") from exc
+    except redis.ResponseError as exc:  # a database the user may not SELECT, or none such
+        raise click.ClickException(f"the lock store refused the connection: {exc}") from exc
     except (redis.RedisError, ValueError) as exc:
         raise click.ClickException(f"cannot reach the lock store: {exc}") from exc
     return LockAdmin(client, prefix)

@@ -592,6 +592,21 @@ def _check_out(pool: Any) -> Any:
         return pool.get_connection("EVALSHA")
 
 
+def reach(client: redis.Redis) -> None:
+    """Make one round trip that any user the scripts can run as may make: ``SCRIPT EXISTS``
+    (``@scripting``, no key), where ``PING`` (``@connection``) may be refused.
+
+    Raises:
+        redis.RedisError: what connecting raised (the server unreachable, a wrong password, a
+            database out of range or a ``SELECT`` the user may not send), as any command would.
+    """
+    client.script_exists(_ABSENT_SHA)
+
+
+#: A script digest no script has: ``reach`` asks whether it is loaded.
+_ABSENT_SHA = "0" * 40
+
+
 def address_of(client: redis.Redis) -> str:
     """Where ``client`` connects, for messages: ``host:port`` or ``unix://path``."""
     kwargs = client.connection_pool.connection_kwargs

@@ -179,6 +179,14 @@ def test_unreachable_store_is_a_clean_error(worker_env: dict[str, str]) -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_a_store_that_refuses_the_connection_is_a_clean_error(worker_env: dict[str, str]) -> None:
+    url = worker_env["STORM_LOCK_URL"].rsplit("/", 1)[0] + "/99"  # no such database
+    done = celery_lock_cli(worker_env, "--url", url, "ls")
+    assert done.returncode == 1
+    assert "Error: the lock store refused the connection: DB index is out of range" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_request_key_the_library_made_safe_is_found_as_written_and_as_stored(
     worker_env: dict[str, str], store: LockStore
 ) -> None:
@@ -219,16 +227,17 @@ def test_show_reports_a_fence_and_a_done_marker_that_are_not_strings(
 
 
 @pytest.fixture
-def ping_only_url(worker_env: dict[str, str]) -> Iterator[str]:
-    """A URL of the lock store as a user that may connect but not read or write any key."""
+def connect_only_url(worker_env: dict[str, str]) -> Iterator[str]:
+    """A URL of the lock store as a user that may connect (and make the CLI's first round trip,
+    ``SCRIPT EXISTS``) but not read or write any key."""
     url = worker_env["STORM_LOCK_URL"]
     admin = redis.Redis.from_url(url)
-    admin.execute_command("ACL", "SETUSER", "cli-ping-only", "on", ">pw", "-@all", "+ping",
-                          "+select", "+client|setinfo")  # fmt: skip
+    admin.execute_command("ACL", "SETUSER", "cli-connect-only", "on", ">pw", "-@all",
+                          "+script|exists", "+select", "+client|setinfo")  # fmt: skip
     try:
-        yield url.replace("redis://", "redis://cli-ping-only:pw@", 1)
+        yield url.replace("redis://", "redis://cli-connect-only:pw@", 1)
     finally:
-        admin.execute_command("ACL", "DELUSER", "cli-ping-only")
+        admin.execute_command("ACL", "DELUSER", "cli-connect-only")
         admin.close()
 
 
@@ -243,9 +252,9 @@ def ping_only_url(worker_env: dict[str, str]) -> Iterator[str]:
     ids=lambda command: command[0],
 )
 def test_a_lock_store_that_fails_mid_command_is_a_clean_error(
-    worker_env: dict[str, str], ping_only_url: str, command: list[str]
+    worker_env: dict[str, str], connect_only_url: str, command: list[str]
 ) -> None:
-    done = celery_lock_cli(worker_env, "--url", ping_only_url, *command)
+    done = celery_lock_cli(worker_env, "--url", connect_only_url, *command)
     assert done.returncode == 1, done.stderr
     assert "Error: the lock store failed: NoPermissionError" in done.stderr
     assert "Traceback" not in done.stderr
@@ -476,10 +485,12 @@ def test_release_deletes_only_the_lease_it_asked_about(
 
 @pytest.mark.parametrize("how", ["wrong password", "no password"])
 def test_a_failed_login_is_reported_as_such(
-    worker_env: dict[str, str], ping_only_url: str, how: str
+    worker_env: dict[str, str], connect_only_url: str, how: str
 ) -> None:
     if how == "wrong password":
-        done = celery_lock_cli(worker_env, "--url", ping_only_url.replace(":pw@", ":nope@"), "ls")
+        done = celery_lock_cli(
+            worker_env, "--url", connect_only_url.replace(":pw@", ":nope@"), "ls"
+        )
     else:
         with RedisServer(extra_args=["--requirepass", "secret"]) as server:
             done = celery_lock_cli(worker_env, "--url", f"redis://127.0.0.1:{server.port}/0", "ls")

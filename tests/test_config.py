@@ -425,6 +425,26 @@ def test_a_done_ttl_below_kombus_visibility_timeout_is_warned(
     assert "(7200s)" in settings_warnings(app, "t", LockSettings(done_ttl=visibility))[0]
 
 
+@pytest.mark.parametrize(
+    ("ttl", "interval", "warned"),
+    [(10, 4, True), (10, 3.4, True), (10, 10 / 3, False), (0.7, None, False), (60, 20, False)],
+)
+def test_fewer_than_three_heartbeats_per_ttl_are_warned(
+    ttl: float, interval: float | None, warned: bool
+) -> None:
+    """DESIGN.md: warn when the TTL is below three heartbeats; the default interval, a third of
+    the TTL (rounded as a float), passes."""
+    app = Celery("config_tests", broker="memory://", set_as_current=False)
+    found = settings_warnings(app, "t", LockSettings(ttl=ttl, heartbeat_interval=interval))
+    assert bool(found) is warned, found
+    if warned:
+        assert found == [
+            f"t: heartbeat interval ({interval:g}s) is above a third of the lease TTL ({ttl:g}s): "
+            "after one missed beat, the next has less than an interval's margin before the "
+            "lease lapses while the task runs"
+        ]
+
+
 @pytest.mark.parametrize("broker", ["amqp://guest@h//", "memory://", "filesystem://"])
 def test_no_visibility_warning_where_the_broker_has_no_visibility_timeout(broker: str) -> None:
     app = Celery("config_tests", broker=broker, set_as_current=False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +20,9 @@ from celery import Celery
 from conftest import wait_for
 from redis.connection import SSLConnection
 
-from celery_lock import SKIPPED, LockedTask, LockSettings, LockStoreUnavailableError
+from celery_lock import SKIPPED, LockedTask, LockSettings, LockStoreUnavailableError, checks
 from celery_lock.keys import RequestKeys
-from celery_lock.lease import Acquired, Done, Holder, Lease, new_token
+from celery_lock.lease import Acquired, Done, Holder, Lease, encode_lock, new_token
 from celery_lock.runtime import lock_store_url, reset_runtime
 from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer, find_redis_server, free_port
@@ -108,6 +110,53 @@ def test_user_refused_ping_keeps_working_after_its_connections_idle(
         assert store.acquire(KEYS, new_token(), 5_000, HOLDER, 60_000) == Done("task-1")
     finally:
         store.client.delete(KEYS.done, KEYS.fence)
+        store.client.close()
+
+
+def test_the_cli_works_for_a_user_refused_ping(guarded_server: RedisServer) -> None:
+    """``celery lock`` checked the store with PING, and called a store it could not PING
+    unreachable (exit status 1)."""
+    admin = guarded_server.client()
+    holder = Holder("task-1", "shop.process", "host-a", 4242)
+    admin.set(KEYS.lock, encode_lock("token", 1, holder, 0), px=60_000)
+    url = f"redis://scripter:{PASSWORD}@127.0.0.1:{guarded_server.port}/0"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "celery", "lock", "--url", url, "ls"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        admin.delete(KEYS.lock)
+        admin.close()
+    assert done.returncode == 0, done.stderr
+    assert KEYS.lock in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("user", "db", "refusal"),
+    [("scripter", 2, "no permissions to run the 'select' command"),
+     ("default", 99, "DB index is out of range")],
+)  # fmt: skip
+def test_a_store_that_refuses_the_connection_is_warned_about_at_start(
+    guarded_server: RedisServer, user: str, db: int, refusal: str
+) -> None:
+    """Every task fails unrun on a store whose connection is refused (a database the user may
+    not SELECT, or one the server does not have); the start-up check took the refusal of its
+    CONFIG GET for a managed service's and said nothing."""
+    store = LockStore.from_url(f"redis://{user}:{PASSWORD}@127.0.0.1:{guarded_server.port}/{db}")
+    try:
+        [warning] = checks.store_warnings(store)
+    finally:
+        store.client.close()
+    assert warning.startswith(f"lock store 127.0.0.1:{guarded_server.port} refused the connection")
+    assert refusal in warning
+
+
+def test_a_store_that_only_refuses_config_gets_no_warning(guarded_server: RedisServer) -> None:
+    store = LockStore.from_url(f"redis://scripter:{PASSWORD}@127.0.0.1:{guarded_server.port}/0")
+    try:
+        assert checks.store_warnings(store) == []  # CONFIG is refused: the check cannot tell
+    finally:
         store.client.close()
 
 

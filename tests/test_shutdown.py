@@ -147,7 +147,10 @@ def test_worker_warns_about_settings_that_contradict_the_guarantees(
         log = worker.log()
         worker.stop()
     assert "done TTL (60s) is shorter than the broker's visibility timeout (3600s)" in log
-    assert "storm.slow_heartbeat: heartbeat interval (6s) is above half the lease TTL (10s)" in log
+    assert (
+        "storm.slow_heartbeat: heartbeat interval (6s) is above a third of the lease TTL (10s)"
+        in log
+    )
     assert "maxmemory-policy allkeys-lru" in log
     assert "app.conf has lock_ttl but no celery_lock_ttl" in log
     assert "write CELERY_CELERY_LOCK_TTL" in log
