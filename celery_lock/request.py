@@ -23,6 +23,10 @@ from .events import TASK_SKIPPED
 
 __all__ = ["LockedRequest", "SkippedCopy"]
 
+#: The request field that carries the message's content type into the pool process, where a
+#: deferral publishes the copy again with the serializer it came in.
+CONTENT_TYPE_FIELD = "celery_lock_content_type"
+
 
 class SkippedCopy(Ignore):
     """Celery's ``Ignore`` for a copy skipped as a duplicate, carrying the ``task-skipped``
@@ -45,6 +49,11 @@ class SkippedCopy(Ignore):
 class LockedRequest(Request):
     """The worker's request for a ``LockedTask``: sends ``task-skipped`` for a skipped copy
     whenever the worker sends task events, including once Flower has turned them on."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The pool process sees the request's dict alone (as task.request).
+        self.request_dict[CONTENT_TYPE_FIELD] = self.content_type
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False

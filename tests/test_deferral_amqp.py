@@ -1,0 +1,141 @@
+"""Deferrals over RabbitMQ quorum queues, where Celery (5.5+) sends a countdown through native
+delayed delivery: an in-process worker on the machine's RabbitMQ service."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import TestWorkController, start_worker
+from celery.signals import before_task_publish
+from conftest import wait_for
+from kombu import Exchange, Queue
+
+from celery_lock import LockedTask
+from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.store import LockStore
+from celery_lock.task import DEFERRALS_HEADER
+
+pytest.importorskip("celery.utils.quorum_queues", reason="native delayed delivery: Celery 5.5+")
+
+TIMEOUT = 30
+pytestmark = [pytest.mark.amqp, pytest.mark.usefixtures("close_lock_runtime")]
+SUFFIX = uuid.uuid4().hex[:8]
+DEFAULT_QUEUE = f"celery-lock-default-{SUFFIX}"
+WORK_QUEUE = f"celery-lock-work-{SUFFIX}"
+
+
+def quorum_queue(name: str, **arguments: Any) -> Queue:
+    """A quorum queue on a topic exchange of its own (native delayed delivery needs one)."""
+    return Queue(
+        name, Exchange(name, type="topic"), routing_key=name,
+        queue_arguments={"x-queue-type": "quorum", **arguments},
+    )  # fmt: skip
+
+
+@pytest.fixture
+def work_queue_arguments() -> dict[str, Any]:
+    return {}
+
+
+@pytest.fixture
+def celery_config(
+    celery_config: dict[str, Any], rabbitmq: str, work_queue_arguments: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        **celery_config,
+        "broker_url": rabbitmq,
+        "task_queues": [
+            quorum_queue(DEFAULT_QUEUE),
+            quorum_queue(WORK_QUEUE, **work_queue_arguments),
+        ],
+        "task_default_queue": DEFAULT_QUEUE,
+        "task_default_exchange": DEFAULT_QUEUE,
+        "task_default_exchange_type": "topic",
+        "task_default_routing_key": DEFAULT_QUEUE,
+        "worker_prefetch_multiplier": 1,
+    }
+
+
+@pytest.fixture
+def stage(celery_app: Celery) -> Any:
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="idx", lock_scope="quorum", name="q.stage",
+        shared=False,
+    )  # fmt: skip
+    def stage(self: Any, idx: int) -> int:
+        return idx
+
+    return stage
+
+
+@pytest.fixture
+def work_worker(celery_app: Celery, stage: Any) -> Iterator[TestWorkController]:
+    """A worker of the work queue alone, as a dedicated pool would be; both queues declared
+    first (as their own workers would), and deleted after."""
+    with celery_app.connection_for_write() as connection:
+        for queue in celery_app.conf.task_queues:
+            queue(connection.default_channel).declare()
+    try:
+        with start_worker(celery_app, pool="solo", queues=[WORK_QUEUE], perform_ping_check=False):
+            yield
+    finally:
+        with celery_app.connection_for_write() as connection:
+            for name in (DEFAULT_QUEUE, WORK_QUEUE):
+                connection.default_channel.queue_delete(name)
+
+
+def hold(store: LockStore, task: Any, idx: int) -> Lease:
+    """Hold the request as another stage in the scope would: the copy is deferred."""
+    keys = task.request_keys((idx,), {})
+    holder = Holder("other-stage-id", "q.other", "elsewhere", 1)
+    token = new_token()
+    outcome = store.acquire(keys, token, 60_000, holder, 60_000)
+    assert isinstance(outcome, Acquired)
+    return Lease(store, keys, token, 60_000, outcome.fence, holder)
+
+
+@pytest.fixture
+def deferrals() -> Iterator[list[str]]:
+    """The routing keys of the deferred copies published meanwhile."""
+    routing_keys: list[str] = []
+
+    def on_publish(headers: dict[str, Any], routing_key: str, **_: Any) -> None:
+        if headers.get(DEFERRALS_HEADER):
+            routing_keys.append(routing_key)
+
+    before_task_publish.connect(on_publish, weak=False)
+    yield routing_keys
+    before_task_publish.disconnect(on_publish)
+
+
+def test_a_deferred_copy_is_published_in_whole_seconds_to_the_queue_it_came_from(
+    stage: Any, work_worker: Any, store: LockStore, deferrals: list[str]
+) -> None:
+    """Native delayed delivery routes a delay by whole seconds and refuses 0: a first deferral
+    of 0.5 s failed to publish, and the message came back at once, again and again. And it
+    routes by the queue's routing key, which Celery takes from the default queue unless the
+    copy names its own: the copy left the work queue."""
+    lease = hold(store, stage, 7)
+    result = stage.apply_async((7,), queue=WORK_QUEUE)
+    wait_for("a deferred copy", lambda: deferrals, TIMEOUT)
+    store.release(lease, success=False, done_ttl_ms=60_000)
+    assert deferrals[0].endswith("." + WORK_QUEUE), deferrals[0]
+    assert result.get(timeout=TIMEOUT) == 7
+
+
+@pytest.mark.parametrize("work_queue_arguments", [{"x-delivery-limit": 5}])
+def test_a_held_request_on_a_quorum_queue_with_a_delivery_limit_runs_once_free(
+    stage: Any, work_worker: Any, store: LockStore
+) -> None:
+    """Every failed deferral sent the message back, and a quorum queue counts each return as
+    a delivery: past the limit RabbitMQ dropped the message, and the request never ran."""
+    lease = hold(store, stage, 8)
+    result = stage.apply_async((8,), queue=WORK_QUEUE)
+    threading.Event().wait(3)
+    store.release(lease, success=False, done_ttl_ms=60_000)
+    assert result.get(timeout=TIMEOUT) == 8

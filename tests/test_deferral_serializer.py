@@ -1,0 +1,65 @@
+"""A deferred copy is published again with the serializer its message came in (an in-process
+worker that accepts pickle as well as JSON)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from conftest import wait_for
+
+from celery_lock import LockedTask, signals
+from celery_lock.lease import Acquired, Holder, new_token
+from celery_lock.store import LockStore
+
+TIMEOUT = 20
+pytestmark = pytest.mark.usefixtures("close_lock_runtime")
+
+
+@pytest.fixture
+def celery_config(celery_config: dict[str, Any]) -> dict[str, Any]:
+    return {**celery_config, "accept_content": ["json", "pickle"]}
+
+
+@pytest.fixture
+def reserve(celery_app: Celery) -> Any:
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key=lambda skus: ",".join(sorted(skus)),
+        lock_scope="cart", name="s.reserve", shared=False,
+    )  # fmt: skip
+    def reserve(self: Any, skus: set[str]) -> str:
+        return type(skus).__name__
+
+    return reserve
+
+
+@pytest.fixture
+def deferred() -> Iterator[list[str]]:
+    reasons: list[str] = []
+
+    def on_deferred(reason: str, **_: Any) -> None:
+        reasons.append(reason)
+
+    signals.lock_deferred.connect(on_deferred, weak=False)
+    yield reasons
+    signals.lock_deferred.disconnect(on_deferred)
+
+
+def test_a_pickled_copy_is_deferred_as_pickle(
+    reserve: Any, celery_worker: Any, store: LockStore, deferred: list[str]
+) -> None:
+    """Published again with the task's serializer (JSON), a copy whose argument JSON cannot
+    carry (a set) failed to publish each time, and came straight back: never deferred, tried
+    again at once for as long as the holder held the request."""
+    keys = reserve.request_keys(({"hat", "socks"},), {})
+    holder = Holder("other-stage-id", "s.other", "elsewhere", 1)
+    token = new_token()
+    outcome = store.acquire(keys, token, 60_000, holder, 60_000)
+    assert isinstance(outcome, Acquired)
+    result = reserve.apply_async(({"hat", "socks"},), serializer="pickle")
+    wait_for("the copy to be deferred", lambda: deferred, TIMEOUT)
+    assert deferred[0] == "contention"
+    store.client.delete(keys.lock)  # the other stage is done
+    assert result.get(timeout=TIMEOUT) == "set"  # pickled all the way
