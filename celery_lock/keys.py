@@ -115,34 +115,94 @@ def _canonical_json(value: Any) -> str:
     """``value`` as JSON text that is equal across processes for equal values: keys sorted, sets
     ordered, tuples as the lists a worker receives.
 
+    Keys are sorted as the text JSON writes them, never as numbers: the worker receives
+    ``{2: .., 10: ..}`` as ``{"2": .., "10": ..}``, and "10" sorts before "2".
+
     Raises:
-        TypeError, ValueError: ``value`` holds something JSON cannot stand for.
+        TypeError, ValueError: ``value`` holds something JSON cannot stand for, holds itself,
+            or is nested too deeply.
     """
     try:
-        return json.dumps(value, sort_keys=True, default=_canonical, separators=(",", ":"))
-    except TypeError:
-        # Keys of several types ({1: "a", "b": 2}) cannot be sorted: sort them as JSON writes
-        # them, as text (json.dumps turns 1 into "1" anyway).
-        return json.dumps(
-            _keys_as_text(value), sort_keys=True, default=_canonical, separators=(",", ":")
-        )
+        received = _as_received(value)
+    except RecursionError as exc:
+        raise ValueError("the value holds itself or is nested too deeply") from exc
+    return json.dumps(received, sort_keys=True, default=_canonical, separators=(",", ":"))
 
 
-def _keys_as_text(value: Any) -> Any:
-    """``value`` with every dict's keys written as JSON writes them (``1`` -> ``"1"``)."""
+#: Types a worker receives as they are sent: nothing in them to convert.
+_AS_SENT = frozenset({str, int, float, bool, type(None), bytes})
+
+
+def _as_received(value: Any) -> Any:
+    """``value`` as a worker receives it after the message's JSON round trip, so that the
+    caller and the worker derive a key from the same thing.
+
+    A tuple becomes a list, a dict's keys the text JSON writes for them (``2`` -> ``"2"``), and
+    a ``str``, ``int`` or ``float`` subclass (an enum member) its plain value, at any depth.
+    Anything else (a set, a ``datetime``) is kept: the serializer carries it as it is, or the
+    call cannot be sent at all.
+    """
+    kind = type(value)
+    if kind in _AS_SENT:  # the usual argument: checked first, as this runs for every task
+        return value
+    # Members already as sent are kept without a call: the default digest walks every argument.
     if isinstance(value, dict):
-        return {_json_key(k): _keys_as_text(v) for k, v in value.items()}
+        return {
+            k if type(k) is str else _json_key(k): v if type(v) in _AS_SENT else _as_received(v)
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
-        return [_keys_as_text(v) for v in value]
+        return [v if type(v) in _AS_SENT else _as_received(v) for v in value]
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
     return value
 
 
 def _json_key(key: Any) -> Any:
-    if isinstance(key, str):
+    """A dict key as the text JSON writes for it: ``2`` -> ``"2"``, ``2.0`` -> ``"2.0"``,
+    ``True`` -> ``"true"``, ``None`` -> ``"null"``, a ``str`` enum member -> its value."""
+    if type(key) is str:
         return key
+    if isinstance(key, str):
+        return str.__str__(key)
     if isinstance(key, (bool, int, float)) or key is None:
-        return json.dumps(key)
-    return key  # not a key JSON can write: json.dumps raises TypeError, as it did
+        return json.dumps(key)  # json.dumps writes a key as it writes the value
+    return key  # not a key JSON can write: json.dumps raises TypeError for it
+
+
+def _ordered_text(value: Any) -> str:
+    """``repr(value)``, with the members of every set in it in one order in every process.
+
+    A set's own repr lists its members in hash order, which follows the process's hash seed:
+    two processes would key one request differently. Sets are reached through lists, tuples
+    and dicts (and sets); an object's own repr is taken as it is.
+    """
+    if isinstance(value, (set, frozenset)):
+        return _ordered_set_text(value)
+    kind = type(value)
+    if kind is list:
+        return f"[{', '.join(map(_ordered_text, value))}]"
+    if kind is tuple:
+        members = ", ".join(map(_ordered_text, value))
+        return f"({members},)" if len(value) == 1 else f"({members})"
+    if kind is dict:
+        items = ", ".join(f"{_ordered_text(k)}: {_ordered_text(v)}" for k, v in value.items())
+        return f"{{{items}}}"
+    return repr(value)
+
+
+def _ordered_set_text(members: set[Any] | frozenset[Any]) -> str:
+    """A set's repr (``{1, 2}``, ``frozenset({1, 2})``), its members ordered by their text."""
+    if not members:
+        return repr(members)  # set(), frozenset(): no order to fix
+    listed = ", ".join(sorted(map(_ordered_text, members)))
+    if type(members) is set:
+        return f"{{{listed}}}"
+    return f"{type(members).__name__}({{{listed}}})"
 
 
 def digest_arguments(task_name: str, arguments: Mapping[str, Any]) -> str:
@@ -195,7 +255,11 @@ def _render(value: Any) -> str | bytes:
         try:
             return _canonical_json(value)
         except (TypeError, ValueError):
-            text = str(value)  # what it read as before keys were canonical; if it can
+            # What it read as before keys were canonical (its str()), with its sets ordered.
+            try:
+                text = _ordered_text(value)
+            except RecursionError:
+                raise TypeError("the value holds itself or is nested too deeply") from None
             if _ADDRESS.search(text):
                 raise TypeError(f"{text[:60]} holds an object whose text is its address") from None
             return text
@@ -384,7 +448,14 @@ class KeyDeriver:
         rendered = {name: _KeyField(arguments[name], leaves) for name in self._fields}
         try:
             text = spec.format_map(rendered)
-        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+        except (
+            AttributeError,
+            IndexError,
+            KeyError,
+            TypeError,
+            ValueError,
+            RecursionError,  # !r of a value that holds itself, or is nested too deeply
+        ) as exc:
             raise LockKeyError(
                 f"cannot render lock_key {spec!r} from the call's arguments: {exc!r}",
                 task_name=self.task_name,
@@ -439,7 +510,9 @@ class _KeyField:
         if self.__leaves is not None:
             self.__leaves.append(self.__value)
         if format_spec:
-            return format(self.__value, format_spec)
+            # The value the worker formats is the one it receives: a str enum member as its
+            # value (whose own __format__ may differ), a tuple as a list.
+            return format(_as_received(self.__value), format_spec)
         rendered = _render(self.__value)
         # Bytes are digested, as a bytes key is: their hex would read as the hex string.
         return safe_key_part(rendered) if isinstance(rendered, bytes) else rendered
@@ -447,16 +520,25 @@ class _KeyField:
     def __str__(self) -> str:  # ``{name!s}``: as ``{name}``, never the object's address
         return self.__format__("")
 
-    def __repr__(self) -> str:  # ``{name!r}``, ``{name!a}``
+    def __repr__(self) -> str:  # ``{name!r}``, ``{name!a}`` (ascii() escapes this repr)
         if self.__leaves is not None:
             self.__leaves.append(self.__value)
-        return repr(self.__value)
+        # The repr of what the worker receives ([1, 2], not (1, 2); 'refund', not the enum
+        # member), with sets ordered alike in every process.
+        return _ordered_text(_as_received(self.__value))
 
     def __getattr__(self, name: str) -> Any:
         return _KeyField(getattr(self.__value, name), self.__leaves)
 
     def __getitem__(self, item: Any) -> Any:
-        return _KeyField(self.__value[item], self.__leaves)
+        value = self.__value
+        if isinstance(value, Mapping) and not isinstance(item, str):
+            # str.format looks "{totals[2]}" up as the int 2, a key only the caller's dict may
+            # have: the worker's has the text "2". Both look the text up in the dict's keys
+            # as JSON writes them, so a key the publish check accepts is one the worker does.
+            value = {_json_key(k): v for k, v in value.items()}
+            item = _json_key(item)
+        return _KeyField(value[item], self.__leaves)
 
 
 @dataclass(frozen=True)

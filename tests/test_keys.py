@@ -26,6 +26,7 @@ import pytest
 from celery import Celery, Task
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from kombu.utils import json as kombu_json
 from redis.crc import key_slot
 
 from celery_lock import ConfigurationError, LockedTask, LockKeyError
@@ -1035,3 +1036,121 @@ def test_a_template_reaching_a_dunder_attribute_fails_at_class_creation(spec: st
 def test_a_dunder_item_key_is_an_item_not_an_attribute() -> None:
     derive = _sub_field_deriver("{invoice[a.__b]}")
     assert derive.request_key((None, {"a.__b": 7}), {}) == "7"
+
+
+# -- the caller's key is the worker's key ----------------------------------------------------------
+
+
+def _as_worker_receives(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` after the message's JSON round trip: what the worker derives its key from."""
+    return tuple(kombu_json.loads(kombu_json.dumps(list(args))))
+
+
+def _cart_task(cart: Any, note: Any = None) -> None:
+    pass
+
+
+def _cart_deriver(spec: str | None) -> KeyDeriver:
+    return KeyDeriver.create("t", inspect.signature(_cart_task), spec)
+
+
+@pytest.mark.parametrize(
+    "spec", [None, "cart", "{cart}:{note}"], ids=["digest", "name", "template"]
+)
+@pytest.mark.parametrize(
+    "cart",
+    [{2: "a", 10: "b"}, {2.0: "a", 10.0: "b"}, {"items": {3: 1, 20: 2}}],
+    ids=["int-keys", "float-keys", "nested-int-keys"],
+)
+def test_a_dict_with_number_keys_keys_like_the_dict_the_worker_receives(
+    spec: str | None, cart: dict[Any, Any]
+) -> None:
+    # Sorted as numbers at the caller (2 before 10), as text on the worker ("10" before "2").
+    derive = _cart_deriver(spec)
+    sent = (cart, "n")
+    assert derive.request_key(sent, {}) == derive.request_key(_as_worker_receives(sent), {})
+
+
+@pytest.mark.parametrize(
+    ("key", "text"), [(2.0, "2.0"), (1e100, "1e+100"), (True, "true"), (None, "null")]
+)
+def test_a_number_key_reads_as_the_text_json_writes_for_it(key: Any, text: str) -> None:
+    assert _cart_deriver("cart").request_key(({key: 1},), {}) == safe_key_part(f'{{"{text}":1}}')
+
+
+@pytest.mark.parametrize(
+    ("spec", "value"),
+    [("{cart!r}", (1, 2)), ("{cart!r}", _Kind.REFUND), ("{cart:>6}", _Kind.REFUND)],
+    ids=["repr-tuple", "repr-str-enum", "format-spec-str-enum"],
+)
+def test_a_template_conversion_keys_like_the_value_the_worker_receives(
+    spec: str, value: Any
+) -> None:
+    derive = _cart_deriver(spec)
+    sent = (value, None)
+    assert derive.request_key(sent, {}) == derive.request_key(_as_worker_receives(sent), {})
+
+
+def test_an_item_template_the_publish_check_accepts_is_one_the_worker_accepts() -> None:
+    # str.format looks "{cart[2]}" up as the int 2; the worker's dict has the key "2".
+    derive = _cart_deriver("{cart[2]}")
+    sent = ({2: "socks"}, None)
+    assert derive.request_key(sent, {}) == "socks"
+    assert derive.request_key(_as_worker_receives(sent), {}) == "socks"
+
+
+SET_OF_OBJECTS = """
+import dataclasses, inspect, sys
+from celery_lock.keys import KeyDeriver
+@dataclasses.dataclass(frozen=True)
+class Sku:
+    code: str
+def reserve(skus): pass
+derive = KeyDeriver.create("t", inspect.signature(reserve), sys.argv[1])
+print(derive.request_key(({Sku("socks"), Sku("shoes"), Sku("hat")},), {}))
+"""
+
+
+@pytest.mark.parametrize("spec", ["skus", "{skus!r}"], ids=["name", "repr"])
+def test_a_set_json_cannot_hold_keys_alike_in_every_process(spec: str) -> None:
+    # Its str() and repr() list the members in hash order, which follows the hash seed.
+    keys = {
+        subprocess.run(
+            [sys.executable, "-c", SET_OF_OBJECTS, spec],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
+        for seed in range(6)
+    }
+    assert len(keys) == 1, keys
+
+
+def _holding_itself() -> list[Any]:
+    loop: list[Any] = ["cart"]
+    loop.append(loop)
+    return loop
+
+
+def _nested_too_deeply() -> list[Any]:
+    outer: list[Any] = []
+    inner = outer
+    for _ in range(sys.getrecursionlimit() + 100):
+        inner.append([])
+        inner = inner[0]
+    return outer
+
+
+@pytest.mark.parametrize(
+    "spec", [None, "cart", "{cart}:{note}", "{cart!r}"], ids=["digest", "name", "template", "repr"]
+)
+@pytest.mark.parametrize("make", [_holding_itself, _nested_too_deeply], ids=["loop", "deep"])
+def test_a_value_holding_itself_or_nested_too_deeply_is_refused(
+    spec: str | None, make: Any
+) -> None:
+    # Reading it as the worker receives it never ends: a LockKeyError, not a RecursionError.
+    with pytest.raises(LockKeyError, match=r"^t: "):
+        _cart_deriver(spec).request_key((make(), "n"), {})
