@@ -42,12 +42,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 import os
 import random
-import re
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
@@ -55,7 +53,6 @@ from celery import Signature, Task
 from celery._state import _task_stack  # type: ignore[attr-defined]
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
-from kombu import serialization
 
 try:
     from celery.app.trace import (  # type: ignore[attr-defined]  # not in celery-types
@@ -63,13 +60,10 @@ try:
     )
 except ImportError:  # Celery before 5.6.3
     _get_actual_ignore_result = None
-try:
-    from celery.utils.quorum_queues import detect_quorum_queues as _detect_quorum_queues
-except ImportError:  # Celery before 5.5: no native delayed delivery
-    _detect_quorum_queues = None  # type: ignore[assignment]
 
 from . import signals
 from .config import LockSettings
+from .delivery import copy_delivery
 from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event, send_task_event_apart
 from .exceptions import (
     ConfigurationError,
@@ -83,7 +77,7 @@ from .exceptions import (
 from .heartbeat import Heartbeat
 from .keys import KeyDeriver, LockKeySpec, RequestKeys
 from .lease import Acquired, Done, Held, Holder, Lease, new_token
-from .request import CONTENT_TYPE_FIELD, SkippedCopy
+from .request import SkippedCopy
 from .runtime import get_runtime
 from .states import SKIPPED, skipped_marker
 
@@ -153,46 +147,6 @@ def _ignores_result(task: Task[Any, Any], request: Any) -> bool:
     if _get_actual_ignore_result is not None:
         return bool(_get_actual_ignore_result(task, request))
     return bool(task.ignore_result or getattr(request, "ignore_result", False))
-
-
-def _serializer_of(request: Any) -> str | None:
-    """The name of the serializer of the message a worker's request came in (``None`` for an
-    eager or direct call, or a content type no serializer is registered for)."""
-    content_type = getattr(request, CONTENT_TYPE_FIELD, None)
-    if not content_type:
-        return None
-    registry: Any = serialization.registry  # type: ignore[attr-defined]  # not in kombu's stubs
-    name: str | None = registry.type_to_name.get(content_type)
-    return name
-
-
-def _native_delayed_delivery(app: Any) -> bool:
-    """Whether Celery sends ``app``'s countdowns through RabbitMQ's native delayed delivery: an
-    AMQP broker with a quorum queue among the app's queues (Celery 5.5+). Read once per app."""
-    native: bool | None = app.__dict__.get(_NATIVE_DELAY)
-    if native is None:
-        native = False
-        if _detect_quorum_queues is not None:
-            with app.connection_for_write() as connection:  # not connected: the driver's name
-                native = bool(_detect_quorum_queues(app, connection.transport.driver_type)[0])
-        setattr(app, _NATIVE_DELAY, native)
-    return native
-
-
-def _queue_delivered_from(app: Any, delivery_info: Mapping[str, Any]) -> str | None:
-    """The name of the app's queue whose routing key the delivery came by, the delay's prefix
-    taken off (a copy that came through native delayed delivery), or ``None``."""
-    routing_key = _DELAY_PREFIX.sub("", str(delivery_info.get("routing_key") or ""), count=1)
-    for name, queue in app.amqp.queues.items():
-        if queue.routing_key == routing_key:
-            return str(name)
-    return None
-
-
-#: Where _native_delayed_delivery keeps its answer on the app.
-_NATIVE_DELAY = "_celery_lock_native_delay"
-#: kombu's prefix of a delayed message's routing key: the delay's 28 bits, one per level.
-_DELAY_PREFIX = re.compile(r"^(?:[01]\.){28}")
 
 
 def _check_scope(task_name: str, scope: Any) -> None:
@@ -684,22 +638,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         }
         deferrals = int(headers.get(DEFERRALS_HEADER) or getattr(request, DEFERRALS_HEADER, 0) or 0)
         headers[DEFERRALS_HEADER] = deferrals + 1
-        countdown = self._defer_delay(deferrals, pttl_ms)
-        options: dict[str, Any] = {}
-        serializer = _serializer_of(request)
-        if serializer is not None:
-            # As it came (apply_async(serializer="pickle")), not the task's: an argument the
-            # task's serializer cannot carry would fail every publish of the copy.
-            options["serializer"] = serializer
-        if _native_delayed_delivery(self.app):
-            # RabbitMQ's native delayed delivery (Celery 5.5+, quorum queues) routes a delay by
-            # whole seconds and refuses 0, which a first deferral (0.5 s) would be; and it
-            # routes by the queue's routing key, where Celery takes the default queue unless
-            # the copy names the queue it came from.
-            countdown = float(max(1, math.ceil(countdown)))
-            queue = _queue_delivered_from(self.app, request.delivery_info or {})
-            if queue is not None:
-                options["queue"] = queue
+        countdown, options = copy_delivery(self.app, request, self._defer_delay(deferrals, pttl_ms))
         signature = self.signature_from_request(
             request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers,
             **options,

@@ -1,0 +1,87 @@
+"""How a deferred copy is published again: as its message came, where its broker needs it.
+
+``LockedTask`` defers a copy by publishing it again with a countdown (Celery's
+``signature_from_request``, as ``retry`` does). Two things that message must keep are not in
+the request Celery copies from: the serializer the message came in, and, on RabbitMQ's native
+delayed delivery, the queue it came from.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from celery import Celery
+from kombu import serialization
+
+from .request import CONTENT_TYPE_FIELD
+
+try:
+    from celery.utils.quorum_queues import detect_quorum_queues as _detect_quorum_queues
+except ImportError:  # Celery before 5.5: no native delayed delivery
+    _detect_quorum_queues = None  # type: ignore[assignment]
+
+__all__ = ["copy_delivery"]
+
+#: Where _native_delayed_delivery keeps its answer on the app.
+_NATIVE_DELAY = "_celery_lock_native_delay"
+#: kombu's prefix of a delayed message's routing key: the delay's 28 bits, one per level.
+_DELAY_PREFIX = re.compile(r"^(?:[01]\.){28}")
+
+
+def copy_delivery(app: Celery, request: Any, countdown: float) -> tuple[float, dict[str, Any]]:
+    """The countdown and the publish options of a deferred copy of ``request``.
+
+    The serializer is the message's (``apply_async(serializer="pickle")``), not the task's: an
+    argument the task's serializer cannot carry would fail every publish of the copy. Where
+    Celery sends countdowns through RabbitMQ's native delayed delivery (Celery 5.5+, quorum
+    queues), which routes a delay by whole seconds and refuses 0, the countdown is rounded up
+    to whole seconds, at least 1; and the copy names the queue it came from, since that
+    delivery routes by the queue's routing key and Celery would take the default queue's.
+    """
+    options: dict[str, Any] = {}
+    serializer = _serializer_of(request)
+    if serializer is not None:
+        options["serializer"] = serializer
+    if _native_delayed_delivery(app):
+        countdown = float(max(1, math.ceil(countdown)))
+        queue = _queue_delivered_from(app, request.delivery_info or {})
+        if queue is not None:
+            options["queue"] = queue
+    return countdown, options
+
+
+def _serializer_of(request: Any) -> str | None:
+    """The name of the serializer of the message a worker's request came in (``None`` for an
+    eager or direct call, or a content type no serializer is registered for)."""
+    content_type = getattr(request, CONTENT_TYPE_FIELD, None)
+    if not content_type:
+        return None
+    registry: Any = serialization.registry  # type: ignore[attr-defined]  # not in kombu's stubs
+    name: str | None = registry.type_to_name.get(content_type)
+    return name
+
+
+def _native_delayed_delivery(app: Any) -> bool:
+    """Whether Celery sends ``app``'s countdowns through RabbitMQ's native delayed delivery: an
+    AMQP broker with a quorum queue among the app's queues (Celery 5.5+). Read once per app."""
+    native: bool | None = app.__dict__.get(_NATIVE_DELAY)
+    if native is None:
+        native = False
+        if _detect_quorum_queues is not None:
+            with app.connection_for_write() as connection:  # not connected: the driver's name
+                native = bool(_detect_quorum_queues(app, connection.transport.driver_type)[0])
+        setattr(app, _NATIVE_DELAY, native)
+    return native
+
+
+def _queue_delivered_from(app: Any, delivery_info: Mapping[str, Any]) -> str | None:
+    """The name of the app's queue whose routing key the delivery came by, the delay's prefix
+    taken off (a copy that came through native delayed delivery), or ``None``."""
+    routing_key = _DELAY_PREFIX.sub("", str(delivery_info.get("routing_key") or ""), count=1)
+    for name, queue in app.amqp.queues.items():
+        if queue.routing_key == routing_key:
+            return str(name)
+    return None
