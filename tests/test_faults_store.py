@@ -578,8 +578,10 @@ def test_a_task_defers_while_saves_fail_and_runs_once_a_save_succeeds(
     """Fail closed under MISCONF: the copy is deferred, not failed unrun (and acked, lost)."""
     dump = fail_saves(admin)
     result = tasks["work"].delay(7)
-    wait_for("a deferral", lambda: deferred or result.ready(), TIMEOUT)
+    # lock_deferred is sent before Celery stores the copy's RETRY: wait for the state itself.
+    wait_for("a deferral", lambda: result.state == "RETRY" or result.ready(), TIMEOUT)
     assert result.state == "RETRY"  # not FAILURE
+    assert deferred
     assert bodies.runs == []
     repair_saves(admin, dump)
     assert result.get(timeout=TIMEOUT) == 7
