@@ -445,8 +445,13 @@ class KeyDeriver:
                 ) from exc
         # Values reached through sub-fields are checked for None-alone as they are formatted.
         leaves: list[Any] | None = [] if self._sub_fields else None
-        rendered = {name: _KeyField(arguments[name], leaves) for name in self._fields}
+        # Each argument as the worker receives it, at the caller too: a sub-field only the
+        # caller's object has ({kind.value} of an enum the worker receives as its value) fails
+        # here, at publish, rather than on the worker, unrun.
         try:
+            rendered = {
+                name: _KeyField(_as_received(arguments[name]), leaves) for name in self._fields
+            }
             text = spec.format_map(rendered)
         except (
             AttributeError,

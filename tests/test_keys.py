@@ -1099,6 +1099,22 @@ def test_an_item_template_the_publish_check_accepts_is_one_the_worker_accepts() 
     assert derive.request_key(_as_worker_receives(sent), {}) == "socks"
 
 
+@pytest.mark.parametrize(
+    ("spec", "value"),
+    [("{cart.value}", _Kind.REFUND), ("{cart.name}", _Kind.REFUND),
+     ("{cart.value}", _Priority.HIGH)],
+    ids=["str-enum-value", "str-enum-name", "int-enum-value"],
+)  # fmt: skip
+def test_a_sub_field_the_worker_cannot_reach_fails_at_the_caller(spec: str, value: Any) -> None:
+    """The worker receives an enum member as its value: a sub-field only the member has passed
+    the publish check and failed on the worker, unrun."""
+    derive = _cart_deriver(spec)
+    with pytest.raises(LockKeyError, match="cannot render lock_key"):
+        derive.request_key(_as_worker_receives((value, None)), {})
+    with pytest.raises(LockKeyError, match="cannot render lock_key"):
+        derive.request_key((value, None), {})
+
+
 SET_OF_OBJECTS = """
 import dataclasses, inspect, sys
 from celery_lock.keys import KeyDeriver
