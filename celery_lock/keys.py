@@ -445,13 +445,8 @@ class KeyDeriver:
                 ) from exc
         # Values reached through sub-fields are checked for None-alone as they are formatted.
         leaves: list[Any] | None = [] if self._sub_fields else None
-        # Each argument as the worker receives it, at the caller too: a sub-field only the
-        # caller's object has ({kind.value} of an enum the worker receives as its value) fails
-        # here, at publish, rather than on the worker, unrun.
         try:
-            rendered = {
-                name: _KeyField(_as_received(arguments[name]), leaves) for name in self._fields
-            }
+            rendered = {name: _KeyField(arguments[name], leaves) for name in self._fields}
             text = spec.format_map(rendered)
         except (
             AttributeError,
@@ -500,6 +495,11 @@ class _KeyField:
     """Formats a bound argument, or a value reached through it (``{order.id}``,
     ``{inv[number]}``), the way a bare ``lock_key`` renders it.
 
+    It holds every value as the worker receives it (:func:`_as_received`), at the caller too:
+    ``!r``, ``!a`` and format specs read a tuple as a list and a ``str`` enum member as its
+    value, and a sub-field only the caller's object has (``{kind.value}`` of an enum member)
+    fails at publish rather than on the worker, unrun.
+
     ``leaves``, when given, collects every value formatted, for the None-alone check of a
     template with sub-fields. The slots are name-mangled so that no sub-field a template may
     name (``{order.value}``) finds them instead of the argument's own attribute.
@@ -508,16 +508,14 @@ class _KeyField:
     __slots__ = ("__leaves", "__value")
 
     def __init__(self, value: Any, leaves: list[Any] | None = None) -> None:
-        self.__value = value
+        self.__value = _as_received(value)
         self.__leaves = leaves
 
     def __format__(self, format_spec: str) -> str:
         if self.__leaves is not None:
             self.__leaves.append(self.__value)
         if format_spec:
-            # The value the worker formats is the one it receives: a str enum member as its
-            # value (whose own __format__ may differ), a tuple as a list.
-            return format(_as_received(self.__value), format_spec)
+            return format(self.__value, format_spec)
         rendered = _render(self.__value)
         # Bytes are digested, as a bytes key is: their hex would read as the hex string.
         return safe_key_part(rendered) if isinstance(rendered, bytes) else rendered
@@ -528,22 +526,17 @@ class _KeyField:
     def __repr__(self) -> str:  # ``{name!r}``, ``{name!a}`` (ascii() escapes this repr)
         if self.__leaves is not None:
             self.__leaves.append(self.__value)
-        # The repr of what the worker receives ([1, 2], not (1, 2); 'refund', not the enum
-        # member), with sets ordered alike in every process.
-        return _ordered_text(_as_received(self.__value))
+        return _ordered_text(self.__value)  # sets ordered alike in every process
 
     def __getattr__(self, name: str) -> Any:
         return _KeyField(getattr(self.__value, name), self.__leaves)
 
     def __getitem__(self, item: Any) -> Any:
-        value = self.__value
-        if isinstance(value, Mapping) and not isinstance(item, str):
-            # str.format looks "{totals[2]}" up as the int 2, a key only the caller's dict may
-            # have: the worker's has the text "2". Both look the text up in the dict's keys
-            # as JSON writes them, so a key the publish check accepts is one the worker does.
-            value = {_json_key(k): v for k, v in value.items()}
+        if isinstance(self.__value, Mapping) and not isinstance(item, str):
+            # str.format looks "{totals[2]}" up as the int 2; the dict, as received, has the
+            # text JSON writes for it, "2".
             item = _json_key(item)
-        return _KeyField(value[item], self.__leaves)
+        return _KeyField(self.__value[item], self.__leaves)
 
 
 @dataclass(frozen=True)
