@@ -23,6 +23,7 @@ from celery.result import AsyncResult
 from celery.worker import state as worker_state
 
 from celery_lock import SKIPPED
+from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.runtime import reset_runtime
 from celery_lock.store import LockStore
 from celery_lock.testing import CeleryWorker, RedisServer
@@ -165,6 +166,19 @@ def command_calls(client: redis.Redis) -> Counter[str]:
     """Calls per command so far (``INFO commandstats``), counted by the server."""
     stats = client.info("commandstats")
     return Counter({name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()})
+
+
+def hold(
+    store: LockStore, task: Any, request_idx: Any, task_id: str, task_name: str | None = None
+) -> Lease:
+    """Take the lease of ``task``'s request (``request_idx`` its one argument) as another
+    worker would: as task ``task_id`` of ``task_name`` (default ``task``'s own name)."""
+    keys = task.request_keys((request_idx,), {})
+    holder = Holder(task_id, task_name or task.name, "elsewhere", 1)
+    token = new_token()
+    outcome = store.acquire(keys, token, 60_000, holder, 60_000)
+    assert isinstance(outcome, Acquired)
+    return Lease(store, keys, token, 60_000, outcome.fence, holder)
 
 
 def settle(results: list[AsyncResult[Any]], timeout: float = 30.0) -> Counter[str]:

@@ -12,11 +12,10 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController, start_worker
 from celery.signals import before_task_publish
-from conftest import wait_for
+from conftest import hold, wait_for
 from kombu import Exchange, Queue
 
 from celery_lock import LockedTask
-from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.store import LockStore
 from celery_lock.task import DEFERRALS_HEADER
 
@@ -89,16 +88,6 @@ def work_worker(celery_app: Celery, stage: Any) -> Iterator[TestWorkController]:
                 connection.default_channel.queue_delete(name)
 
 
-def hold(store: LockStore, task: Any, idx: int) -> Lease:
-    """Hold the request as another stage in the scope would: the copy is deferred."""
-    keys = task.request_keys((idx,), {})
-    holder = Holder("other-stage-id", "q.other", "elsewhere", 1)
-    token = new_token()
-    outcome = store.acquire(keys, token, 60_000, holder, 60_000)
-    assert isinstance(outcome, Acquired)
-    return Lease(store, keys, token, 60_000, outcome.fence, holder)
-
-
 @pytest.fixture
 def deferrals() -> Iterator[list[str]]:
     """The routing keys of the deferred copies published meanwhile."""
@@ -120,7 +109,7 @@ def test_a_deferred_copy_is_published_in_whole_seconds_to_the_queue_it_came_from
     of 0.5 s failed to publish, and the message came back at once, again and again. And it
     routes by the queue's routing key, which Celery takes from the default queue unless the
     copy names its own: the copy left the work queue."""
-    lease = hold(store, stage, 7)
+    lease = hold(store, stage, 7, "other-stage-id", "q.other")  # another stage: deferred
     result = stage.apply_async((7,), queue=WORK_QUEUE)
     wait_for("a deferred copy", lambda: deferrals, TIMEOUT)
     store.release(lease, success=False, done_ttl_ms=60_000)
@@ -134,7 +123,7 @@ def test_a_held_request_on_a_quorum_queue_with_a_delivery_limit_runs_once_free(
 ) -> None:
     """Every failed deferral sent the message back, and a quorum queue counts each return as
     a delivery: past the limit RabbitMQ dropped the message, and the request never ran."""
-    lease = hold(store, stage, 8)
+    lease = hold(store, stage, 8, "other-stage-id", "q.other")
     result = stage.apply_async((8,), queue=WORK_QUEUE)
     threading.Event().wait(3)
     store.release(lease, success=False, done_ttl_ms=60_000)

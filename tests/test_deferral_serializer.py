@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from conftest import wait_for
+from conftest import hold, wait_for
 
 from celery_lock import LockedTask, signals
-from celery_lock.lease import Acquired, Holder, new_token
 from celery_lock.store import LockStore
 
 TIMEOUT = 20
@@ -53,13 +52,9 @@ def test_a_pickled_copy_is_deferred_as_pickle(
     """Published again with the task's serializer (JSON), a copy whose argument JSON cannot
     carry (a set) failed to publish each time, and came straight back: never deferred, tried
     again at once for as long as the holder held the request."""
-    keys = reserve.request_keys(({"hat", "socks"},), {})
-    holder = Holder("other-stage-id", "s.other", "elsewhere", 1)
-    token = new_token()
-    outcome = store.acquire(keys, token, 60_000, holder, 60_000)
-    assert isinstance(outcome, Acquired)
+    lease = hold(store, reserve, {"hat", "socks"}, "other-stage-id", "s.other")
     result = reserve.apply_async(({"hat", "socks"},), serializer="pickle")
     wait_for("the copy to be deferred", lambda: deferred, TIMEOUT)
     assert deferred[0] == "contention"
-    store.client.delete(keys.lock)  # the other stage is done
+    store.release(lease, success=False, done_ttl_ms=60_000)  # the other stage is done
     assert result.get(timeout=TIMEOUT) == "set"  # pickled all the way

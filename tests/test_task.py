@@ -21,7 +21,7 @@ from celery.contrib.testing.worker import TestWorkController
 from celery.exceptions import Retry, SoftTimeLimitExceeded
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import before_task_publish, task_postrun
-from conftest import wait_for
+from conftest import hold, wait_for
 
 import celery_lock.events
 import celery_lock.task
@@ -39,7 +39,7 @@ from celery_lock import (
     signals,
 )
 from celery_lock.keys import RequestKeys
-from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.lease import Holder, Lease
 from celery_lock.runtime import get_runtime
 from celery_lock.store import LockStore
 from celery_lock.task import DEFERRALS_HEADER
@@ -187,18 +187,6 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
 @pytest.fixture
 def worker(tasks: dict[str, Any], celery_worker: TestWorkController) -> TestWorkController:
     return celery_worker
-
-
-def hold(
-    store: LockStore, task: Any, request_idx: int, task_id: str, task_name: str | None = None
-) -> Lease:
-    """Take the lease of ``task``'s request as another worker would."""
-    keys = task.request_keys((request_idx,), {})
-    holder = Holder(task_id, task_name or task.name, "elsewhere", 1)
-    token = new_token()
-    outcome = store.acquire(keys, token, 60_000, holder, 60_000)
-    assert isinstance(outcome, Acquired)
-    return Lease(store, keys, token, 60_000, outcome.fence, holder)
 
 
 @pytest.fixture
