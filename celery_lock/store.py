@@ -125,6 +125,8 @@ _SCRIPT_ERROR = re.compile(r"@user_script:\s*\d+:\s*(?:@user_script:\s*\d+:\s*)?
 # Integers a fence counter can hold: what a Lua number (a double) holds exactly, which the
 # acquire script checks (INCR itself would go on to 2**63 - 1).
 _FENCE_MAX = 2**53
+# The pool size redis-py 5 to 7 gave a pool with no max_connections: no cap in practice.
+_UNBOUNDED_POOL = 2**31
 
 
 def reply_code(exc: redis.ResponseError) -> str:
@@ -211,12 +213,16 @@ class LockStore:
         """A store on a new client for ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
         # tenacity is the one retry layer: redis-py 8 would otherwise retry (with its own
         # backoff) inside every try, stretching a fail-closed decision to many seconds.
+        # redis-py 8 caps a pool at 100 connections unless told otherwise: a gevent or threads
+        # pool with more tasks in flight would fail the rest closed as if the server were down.
+        # The URL's own ?max_connections= still wins.
         client = redis.Redis.from_url(
             url,
             socket_timeout=5,
             socket_connect_timeout=5,
             health_check_interval=30,
             retry=Retry(NoBackoff(), 0),
+            max_connections=_UNBOUNDED_POOL,
         )
         return cls(client, **options)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections import Counter
 
 import pytest
 import redis
@@ -11,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_lock import store as store_module
-from celery_lock.exceptions import LockStateError
+from celery_lock.exceptions import LockStateError, LockStoreError
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import (
     Acquired,
@@ -283,3 +285,38 @@ def test_a_counter_past_two_to_the_53_is_refused_as_not_a_fence(
         acquire(store, new_token())
     assert caught.value.key == KEYS.fence
     assert lock_redis.get(KEYS.lock) is None
+
+
+def test_more_calls_in_flight_than_redis_py_8s_default_pool_of_100_are_all_served(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    # A threads or gevent pool of 150: redis-py 8 caps a pool without ?max_connections= at 100,
+    # and the 101st call in flight would fail closed ("Too many connections") as if the
+    # server were down, its task deferred, its release without a done-marker.
+    store = LockStore.from_url(lock_url)
+    calls = 150
+    outcomes: Counter[str] = Counter()
+    counted = threading.Lock()
+    together = threading.Barrier(calls)
+
+    def acquire_one(n: int) -> None:
+        keys = RequestKeys.build("celery-lock", "shop.process", str(n), "shop.process")
+        together.wait(30)
+        try:
+            outcome = type(acquire(store, new_token(), keys=keys)).__name__
+        except LockStoreError as exc:
+            outcome = f"{exc.__cause__!r}"
+        with counted:
+            outcomes[outcome] += 1
+
+    # The server answers no one for a moment, so that every call is in flight at once.
+    lock_redis.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+    threads = [threading.Thread(target=acquire_one, args=(n,)) for n in range(calls)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        store.client.close()
+    assert outcomes == Counter({"Acquired": calls})
