@@ -70,7 +70,14 @@ class Heartbeat:
                 target=self._run, args=(self._stopping,), name="celery-lock-heartbeat", daemon=True
             )
             self._alive = True
-            self._thread.start()
+            try:
+                self._thread.start()
+            except BaseException:
+                # At the thread limit ("can't start new thread"): not running, so that the next
+                # lease tries again rather than trust a thread that never began.
+                self._alive = False
+                self._thread = None
+                raise
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread and wait (bounded) for it to end."""

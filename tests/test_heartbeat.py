@@ -283,3 +283,39 @@ def test_two_stores_are_extended_even_when_no_thread_can_start(
             heartbeat.stop()
             first.client.close()
             second.client.close()
+
+
+def test_a_thread_that_could_not_start_is_started_by_the_next_lease(
+    lock_url: str, lock_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A process briefly at its thread limit (a container's pids.max) when its first lease
+    # comes: that task fails, but the process's later leases must still be extended (or found
+    # lost), never left to lapse unnoticed by a heartbeat that thinks it runs.
+    store = LockStore.from_url(lock_url)
+    heartbeat = Heartbeat()
+    start = threading.Thread.start
+
+    def refuse_the_heartbeat(thread: threading.Thread) -> None:
+        if thread.name == "celery-lock-heartbeat":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    try:
+        first = _granted(store, "first", 60_000)
+        monkeypatch.setattr(threading.Thread, "start", refuse_the_heartbeat)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            heartbeat.add(first, 0.2)
+        monkeypatch.undo()
+        assert not heartbeat.running
+        heartbeat.discard(first)
+        heartbeat.stop()  # at worker_process_shutdown: nothing to join, and no error
+
+        lease = _granted(store, "second", 1_000)
+        heartbeat.add(lease, 0.2)
+        assert heartbeat.running
+        time.sleep(1.5)
+        assert lock_redis.pttl(lease.keys.lock) > 0
+        assert not lease.lost
+    finally:
+        heartbeat.stop()
+        store.client.close()
