@@ -58,22 +58,35 @@ def lock_store_url(app: Celery, settings: LockSettings) -> str:
     )
 
 
+# kombu reads a broker URL's ssl_cert_reqs in Celery's spelling too; redis-py only in its own.
+_CERT_REQS_SPELLED_BY_REDIS_PY = {
+    "CERT_REQUIRED": "required",
+    "CERT_OPTIONAL": "optional",
+    "CERT_NONE": "none",
+}
+
+
 def _with_broker_ssl(app: Celery, broker: str) -> str:
-    """A ``rediss://`` broker URL with the options of ``broker_use_ssl`` (a dict) that it does
-    not give itself added to its query, as redis-py reads them: the lock store on the broker's
-    server connects as kombu does, trusting the same CA (``ssl_ca_certs``) and showing the same
-    client certificate."""
-    options = app.conf.broker_use_ssl
-    if not isinstance(options, Mapping) or not options:
-        return broker
+    """A ``rediss://`` broker URL as redis-py reads it, with what kombu reads into it: its
+    ``ssl_cert_reqs`` in redis-py's spelling (``CERT_REQUIRED`` is ``required``), and the
+    options of ``broker_use_ssl`` (a dict) that it does not give itself added to its query, so
+    that the lock store on the broker's server connects as kombu does, trusting the same CA
+    (``ssl_ca_certs``) and showing the same client certificate."""
     parts = urlsplit(broker)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    given = {name for name, _ in query}
-    query += [
-        (name, _query_value(value))
-        for name, value in options.items()
-        if name not in given and value is not None
+    query = [
+        (name, _CERT_REQS_SPELLED_BY_REDIS_PY.get(value, value))
+        if name == "ssl_cert_reqs"
+        else (name, value)
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
     ]
+    given = {name for name, _ in query}
+    options = app.conf.broker_use_ssl
+    if isinstance(options, Mapping):
+        query += [
+            (name, _query_value(value))
+            for name, value in options.items()
+            if name not in given and value is not None
+        ]
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 

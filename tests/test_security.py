@@ -251,6 +251,34 @@ def test_a_rediss_broker_lends_the_lock_store_its_broker_use_ssl(tls_server: Tls
         unverified.client.close()
 
 
+@pytest.mark.parametrize(
+    ("spelling", "mode"),
+    [("CERT_REQUIRED", ssl.CERT_REQUIRED), ("CERT_OPTIONAL", ssl.CERT_OPTIONAL)],
+)
+def test_a_rediss_broker_url_in_celerys_spelling_gives_the_lock_store(
+    tls_server: TlsServer, spelling: str, mode: ssl.VerifyMode
+) -> None:
+    # Celery's docs and errors spell ssl_cert_reqs CERT_REQUIRED, and kombu reads it so;
+    # redis-py only reads required, optional or none.
+    ca = quote(tls_server.ca_file, safe="")
+    broker = (
+        f"rediss://127.0.0.1:{tls_server.tls_port}/0?ssl_cert_reqs={spelling}&ssl_ca_certs={ca}"
+    )
+    app = Celery("tls", broker=broker, set_as_current=False)
+    with app.connection_for_write() as connection:
+        assert connection.ssl == {"ssl_cert_reqs": mode, "ssl_ca_certs": tls_server.ca_file}
+    store = LockStore.from_url(lock_store_url(app, LockSettings()), retry_attempts=1)
+    try:
+        full_cycle(store)
+        pooled = store.client.connection_pool.get_connection()
+        try:
+            assert pooled.cert_reqs == mode
+        finally:
+            store.client.connection_pool.release(pooled)
+    finally:
+        store.client.close()
+
+
 def test_a_url_of_its_own_is_not_given_the_brokers_ssl_options() -> None:
     app = Celery("tls", broker="rediss://broker:6380/0", set_as_current=False)
     app.conf.broker_use_ssl = {"ssl_cert_reqs": ssl.CERT_NONE, "ssl_check_hostname": False}
