@@ -228,6 +228,7 @@ class LockSettings:
         """
         values: dict[str, Any] = {}
         names: dict[str, str] = {}
+        from_task: set[str] = set()
         for field in fields(cls):
             option = f"lock_{field.name}"
             setting = f"celery_{option}"
@@ -235,6 +236,7 @@ class LockSettings:
             if task_options and task_options.get(option) is not None:
                 value = task_options[option]
                 name = f"{task_name}.{option}" if task_name else option
+                from_task.add(field.name)
             if value is not None:
                 values[field.name] = _VALIDATORS[field.name](name, value)
                 names[field.name] = name
@@ -242,10 +244,14 @@ class LockSettings:
         if not check_together:
             return settings
         if settings.heartbeat_interval is not None and settings.heartbeat_interval >= settings.ttl:
+            # The TTL is named where it comes from elsewhere than the interval: a task's
+            # lock_ttl under app.conf's interval, or app.conf's TTL under a task's interval.
+            ttl = f"{settings.ttl}s"
+            if "ttl" in names and ("ttl" in from_task) != ("heartbeat_interval" in from_task):
+                ttl = f"{ttl}, {names['ttl']}"
             raise ConfigurationError(
                 names["heartbeat_interval"],
-                f"must be shorter than the lease TTL ({settings.ttl}s), "
-                f"got {settings.heartbeat_interval}s",
+                f"must be shorter than the lease TTL ({ttl}), got {settings.heartbeat_interval}s",
             )
         return settings
 

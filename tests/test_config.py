@@ -329,6 +329,43 @@ def test_heartbeat_interval_task_option_not_shorter_than_ttl_names_the_option() 
         LockSettings.resolve({"celery_lock_ttl": 30}, {"lock_heartbeat_interval": 30}, "tasks.t")
 
 
+@pytest.mark.parametrize(
+    ("conf", "options", "message"),
+    [
+        (
+            {"celery_lock_heartbeat_interval": 10},
+            {"lock_ttl": 5},
+            "celery_lock_heartbeat_interval: must be shorter than the lease TTL "
+            "(5.0s, tasks.t.lock_ttl), got 10.0s",
+        ),
+        (
+            {"celery_lock_ttl": 5},
+            {"lock_heartbeat_interval": 10},
+            "tasks.t.lock_heartbeat_interval: must be shorter than the lease TTL "
+            "(5.0s, celery_lock_ttl), got 10.0s",
+        ),
+        (
+            {},
+            {"lock_ttl": 5, "lock_heartbeat_interval": 10},
+            "tasks.t.lock_heartbeat_interval: must be shorter than the lease TTL (5.0s), got 10.0s",
+        ),
+        (
+            {},
+            {"lock_heartbeat_interval": 90},
+            "tasks.t.lock_heartbeat_interval: must be shorter than the lease TTL (60.0s), "
+            "got 90.0s",
+        ),
+    ],
+)
+def test_a_ttl_from_elsewhere_than_the_interval_is_named_with_it(
+    conf: dict[str, Any], options: dict[str, Any], message: str
+) -> None:
+    # Each setting is valid where it was written: the error says where the other one is.
+    with pytest.raises(ConfigurationError) as raised:
+        LockSettings.resolve(conf, options, "tasks.t")
+    assert str(raised.value) == message
+
+
 def test_error_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="celery_lock_ttl"):
         LockSettings.resolve({"celery_lock_ttl": -1})
