@@ -61,10 +61,17 @@ def follow(
             did not reach the backend within ``grace`` (it ignores results, they expired, or
             it died before storing its result).
 
+    The result of a call that ignores its result (``ignore_result``) is ``None`` at once, as
+    ``AsyncResult.get`` returns it.
+
     When this app cannot tell where the lock store is (no ``celery_lock_redis_url``, and a
     broker that is not Redis), ``follow`` cannot read whether a holder completed: it logs a
     warning (once per app and process) and waits for the holder's result, up to ``timeout``.
     """
+    if getattr(result, "ignored", False):
+        # A call made with ignore_result stores no state to wait for, skipped or not:
+        # AsyncResult.get returns None for it at once, and so does follow.
+        return None
     deadline = None if timeout is None else time.monotonic() + timeout
     current = result
     holding: _Holding | None = None

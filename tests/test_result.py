@@ -26,6 +26,7 @@ from celery_lock import (
     ConfigurationError,
     DuplicateTaskError,
     LockContendedError,
+    LockedTask,
     LockKeyError,
     LockLostError,
     LockStateError,
@@ -94,6 +95,16 @@ def test_follow_finds_the_holder_in_the_result_backend_of_the_copy(celery_app: C
     own.store_result(copy_id, skipped_marker(KEYS.lock, "running", "holder-id", TASK), SKIPPED)
     copy: AsyncResult[Any] = AsyncResult(copy_id, backend=own, app=celery_app)
     assert follow(copy, timeout=TIMEOUT, interval=0.05) == "processed 7"
+
+
+def test_follow_returns_none_at_once_for_a_call_that_ignores_its_result(celery_app: Celery) -> None:
+    @celery_app.task(base=LockedTask, lock_key="request_idx", name="r.quiet", shared=False)
+    def quiet(request_idx: int) -> int:
+        return request_idx
+
+    result = quiet.apply_async((7,), ignore_result=True)  # no state will ever be stored
+    assert result.get(timeout=TIMEOUT) is None  # as Celery does
+    assert follow(result, timeout=TIMEOUT) is None
 
 
 def test_follow_gives_up_on_a_started_holder_that_completed_but_stored_no_result(
