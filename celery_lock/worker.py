@@ -14,12 +14,14 @@ a task binds only when the app finalizes, after ``celery worker`` has read its c
 from __future__ import annotations
 
 import logging
+import re
 from collections import ChainMap
 from collections.abc import Mapping
 from typing import Any
 
 import click
 from celery import Celery, bootsteps
+from celery.app import utils as celery_app_utils
 from celery.signals import worker_process_init, worker_process_shutdown
 
 from .checks import warn_at_startup
@@ -185,6 +187,7 @@ def install(app: Celery) -> Celery:
     if app.__dict__.get(_INSTALLED):
         return app
     setattr(app, _INSTALLED, True)
+    _hide_lock_store_url_in_reports()
     app.user_options["worker"].update(_worker_options())
     app.steps["worker"].add(LockStep)
 
@@ -205,6 +208,21 @@ def install(app: Celery) -> Celery:
     worker_process_init.connect(start_heartbeat, weak=False, dispatch_uid=f"{uid}-init")
     worker_process_shutdown.connect(stop_heartbeat, weak=False, dispatch_uid=f"{uid}-shutdown")
     return app
+
+
+def _hide_lock_store_url_in_reports() -> None:
+    """Mask ``celery_lock_redis_url`` wherever Celery masks secret settings.
+
+    ``celery inspect conf`` (Flower's worker configuration tab) and ``celery report`` show
+    ``app.conf`` with the settings whose names match Celery's ``HIDDEN_SETTINGS`` masked; the
+    lock store URL, which may hold a password as the broker URL does, matched none of them.
+    """
+    # celery-types does not declare HIDDEN_SETTINGS; filter_hidden_settings reads it per call.
+    hidden: re.Pattern[str] = celery_app_utils.HIDDEN_SETTINGS  # type: ignore[attr-defined]
+    if "LOCK_REDIS_URL" not in hidden.pattern:
+        celery_app_utils.HIDDEN_SETTINGS = re.compile(  # type: ignore[attr-defined]
+            f"{hidden.pattern}|LOCK_REDIS_URL", hidden.flags
+        )
 
 
 def _has_store(app: Celery) -> bool:

@@ -153,6 +153,25 @@ def test_lock_on_duplicate_option_overrides_conf(
     records.close()
 
 
+def test_the_lock_store_password_is_masked_where_celery_masks_the_brokers(
+    worker: Any, worker_env: dict[str, str]
+) -> None:
+    """``celery inspect conf`` (Flower's worker configuration tab) and ``celery report`` show
+    ``app.conf``; the lock store URL, given as a worker option or a setting, holds a password as
+    the broker URL may."""
+    worker("--lock-redis-url", "redis://:s3cret@localhost:1/0")
+    shown = celery("inspect", "conf", "--json", env=worker_env)
+    assert shown.returncode == 0, shown.stderr
+    [conf] = json.loads(shown.stdout).values()
+    assert conf["celery_lock_redis_url"] == "********"
+    assert "s3cret" not in shown.stdout
+
+    report = celery("report", env={**worker_env, "STORM_LOCK_URL": "redis://:s3cret@h:6379/2"})
+    assert report.returncode == 0, report.stderr
+    assert "celery_lock_redis_url: '********'" in report.stdout
+    assert "s3cret" not in report.stdout
+
+
 def test_a_lock_store_not_reachable_at_start_is_warned_about_and_the_worker_starts(
     worker: Any,
 ) -> None:
