@@ -22,6 +22,7 @@ from celery.exceptions import Retry, SoftTimeLimitExceeded
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import before_task_publish, task_postrun
 from conftest import hold, wait_for
+from kombu.exceptions import EncodeError
 
 import celery_lock.events
 import celery_lock.task
@@ -176,11 +177,17 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
         seen(self)
         return f"quiet {request_idx}"
 
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.tags")
+    def tags(self: Any, request_idx: int) -> set[str]:
+        seen(self)
+        return {"a", "b"}  # a set: the JSON result serializer cannot store it
+
     @celery_app.task(name="t.nothing")
     def nothing() -> None:
         return None
 
-    every = (process, pending, stage, flaky, resend, boom, slow, walk, hop, relay, quiet, nothing)
+    every = [process, pending, stage, flaky, resend, boom, slow, walk, hop, relay, quiet]
+    every += [tags, nothing]
     return {t.name.split(".", 1)[1]: t for t in every}
 
 
@@ -235,6 +242,20 @@ def test_copy_of_running_request_is_skipped(
         "task": "t.process",
     }
     assert calls.seen == []
+
+
+def test_a_failure_after_the_body_returned_leaves_the_request_done(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    # The body's effects have happened when Celery fails to store its result (or to send the
+    # next step): the task ends FAILURE, and later copies are skipped, never run again.
+    first = tasks["tags"].delay(7)
+    wait_for("the run to fail", lambda: first.state == "FAILURE", TIMEOUT)
+    copy = tasks["tags"].delay(7)
+    with pytest.raises(EncodeError):
+        follow(copy, timeout=TIMEOUT)  # the holder's failure
+    assert (copy.state, copy.info["reason"], copy.info["holder"]) == (SKIPPED, "done", first.id)
+    assert calls.count("t.tags") == 1
 
 
 def test_copy_of_done_request_is_skipped_and_follows_to_holder(
