@@ -118,6 +118,9 @@ class _Ignored:
         self.exception = exception
 
 
+_NAMED_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
 def _run_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
     """The signature callers use: ``run``'s parameters, without ``self`` for a bound task.
 
@@ -136,7 +139,11 @@ def _run_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
     if isinstance(run, staticmethod):
         return inspect.signature(run.__func__)
     signature = inspect.signature(run)
-    parameters = list(signature.parameters.values())[1:]
+    parameters = list(signature.parameters.values())
+    # ``self`` is the first parameter, unless that is ``*args`` (a wrapper written without
+    # functools.wraps), which takes ``self`` and the caller's positional arguments alike.
+    if parameters and parameters[0].kind in _NAMED_POSITIONAL:
+        parameters = parameters[1:]
     return signature.replace(parameters=parameters)
 
 

@@ -734,6 +734,24 @@ def test_default_key_is_a_digest_of_the_task_name_and_bound_arguments() -> None:
     assert hash_tag(keys.lock) == f"keys_tests.by_digest:{request_key}"
 
 
+def test_a_bound_task_wrapped_without_functools_wraps_is_keyed_by_its_arguments() -> None:
+    # ``self`` arrives in the wrapper's *args, as the caller's arguments do: dropping the first
+    # parameter for ``self`` dropped *args itself, and every call by position was refused.
+    def logged(fun: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fun(*args, **kwargs)
+
+        return wrapper
+
+    @app.task(name="keys_tests.wrapped", bind=True, **TASK_OPTIONS)
+    @logged
+    def wrapped(self: Any, request_idx: Any) -> Any:
+        return request_idx
+
+    assert wrapped.request_keys((7,), {}) == wrapped.request_keys((7,), {})
+    assert wrapped.request_keys((7,), {}) != wrapped.request_keys((8,), {})
+
+
 def test_lock_key_naming_a_missing_argument_fails_at_class_creation() -> None:
     with pytest.raises(LockKeyError) as raised:
 
