@@ -220,6 +220,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
     acks_late = True
     reject_on_worker_lost = True
+    # Celery 5.7's task_retry_on_worker_lost, set app-wide, would turn the killed holder's
+    # message into a Celery retry: acked, counted against max_retries (a FAILURE once they are
+    # used up, the request never run) and sent default_retry_delay later.
+    retry_on_worker_lost = False
     #: Sends ``task-skipped`` from the worker's main process; derive your own from it.
     Request = "celery_lock.request:LockedRequest"
 
@@ -646,6 +650,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
         deferrals = int(headers.get(DEFERRALS_HEADER) or getattr(request, DEFERRALS_HEADER, 0) or 0)
         headers[DEFERRALS_HEADER] = deferrals + 1
         countdown, options = copy_delivery(self.app, request, self._defer_delay(deferrals, pttl_ms))
+        if reason == "redelivered":
+            # A copy of a message already running (or whose holder died) waits for its
+            # outcome: accepted before it expired, it must not expire while it waits, which
+            # would store REVOKED under the task id the original runs as.
+            options["expires"] = None
         signature = self.signature_from_request(
             request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers,
             **options,

@@ -246,6 +246,20 @@ def test_copy_sent_while_pool_process_is_dead_does_not_run_alongside_the_rerun(
     assert_no_overlap(runs)
 
 
+def test_killed_pool_process_message_reruns_under_an_app_wide_retry_on_worker_lost(
+    start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
+) -> None:
+    # Celery 5.7's task_retry_on_worker_lost would make the kill a Celery retry: acked, and
+    # with fault.work's max_retries=0 a FAILURE, the request never run.
+    start_worker(**KILLED_POOL_ENV, FAULT_CONF=json.dumps({"task_retry_on_worker_lost": True}))
+    result = producer.send_task(TASK, args=(1, 1.0))
+    first = wait_started(record)
+    os.kill(first["pid"], signal.SIGKILL)
+
+    wait_state(result, "SUCCESS", timeout=2 * KILLED_POOL_TTL + TIMEOUT)
+    assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(result.id, 2)]
+
+
 # -- 2. the whole worker SIGKILLed ----------------------------------------------------------------
 
 
@@ -323,6 +337,23 @@ def test_redelivered_running_message_is_deferred_never_run_alongside(
     assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(result.id, 1)]
     assert len(record.started()) == 1
     assert record.skipped() == []
+
+
+def test_a_redelivered_copy_deferred_past_its_expiry_leaves_the_running_original_alone(
+    start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
+) -> None:
+    # The copy comes back (~1.7 s) before the message's expiry (5 s) and waits on its running
+    # original past it: kept, the expiry would revoke the waiting copy, storing REVOKED under
+    # the task id the original still runs as.
+    start_worker(FAULT_VISIBILITY_TIMEOUT=str(VISIBILITY_TIMEOUT), FAULT_RESTORE_INTERVAL="60")
+    result = producer.send_task(TASK, args=(1, 8.0), expires=5)
+    first = wait_started(record)
+    sleep_past_visibility_timeout(first)
+    force_visibility_timeout(producer, VISIBILITY_TIMEOUT)
+    wait_redelivered_copy_deferred(record, result.id)
+
+    assert wait_state(result, "SUCCESS") <= {"PENDING", "STARTED", "SUCCESS"}
+    assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(result.id, 1)]
 
 
 def test_deferred_redelivery_survives_when_the_running_original_is_killed(

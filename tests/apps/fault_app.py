@@ -15,6 +15,7 @@ ends; a run killed midway leaves only the first. Deferred and skipped copies are
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -38,6 +39,8 @@ app = worker_test_app(
         "unacked_restore_interval": float(os.environ.get("FAULT_RESTORE_INTERVAL", "10")),
         "unacked_restore_throttle": 1,
     },
+    # Extra settings for one test, e.g. '{"task_retry_on_worker_lost": true}'.
+    **json.loads(os.environ.get("FAULT_CONF", "{}")),
 )
 if os.environ.get("FAULT_HEARTBEAT_INTERVAL"):
     app.conf.celery_lock_heartbeat_interval = float(os.environ["FAULT_HEARTBEAT_INTERVAL"])
