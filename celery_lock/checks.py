@@ -8,6 +8,8 @@
   an evicted lease lets a second copy in while the first still runs;
 * a lock store that cannot be reached (or refuses the user or password, or the connection):
   until it can, tasks are deferred (or fail); a warning, since it may come up later;
+* a worker whose threads gevent or eventlet patched (``-P gevent``, ``-P eventlet``): the
+  heartbeat is then a greenlet, which a body that does not yield to the hub holds back;
 * a setting that lost its ``celery_`` prefix (``lock_ttl`` in ``app.conf``), which nothing
   reads. (Django's ``config_from_object("django.conf:settings", namespace="CELERY")`` shows a
   ``CELERY_LOCK_TTL`` setting as ``lock_ttl`` too, but it is read, as ``CELERY_LOCK_TTL``: see
@@ -20,6 +22,7 @@ skipped where the server refuses it, as managed services often do).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +33,13 @@ from .config import LockSettings, conf_value
 from .runtime import first_broker_url
 from .store import REFUSED_ERRORS, TRANSIENT_ERRORS, LockStore, address_of, reach
 
-__all__ = ["misnamed_settings", "settings_warnings", "store_warnings", "warn_at_startup"]
+__all__ = [
+    "green_heartbeat_warnings",
+    "misnamed_settings",
+    "settings_warnings",
+    "store_warnings",
+    "warn_at_startup",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +86,25 @@ def settings_warnings(app: Celery, name: str, settings: LockSettings) -> list[st
             "interval's margin before the lease lapses while the task runs"
         )
     return found
+
+
+def green_heartbeat_warnings() -> list[str]:
+    """Whether gevent or eventlet has patched ``threading`` in this process (``celery worker
+    -P gevent`` or ``-P eventlet`` patches it first thing), making the heartbeat a greenlet."""
+    gevent_monkey = sys.modules.get("gevent.monkey")
+    if gevent_monkey is not None and gevent_monkey.is_module_patched("threading"):
+        green = "gevent"
+    else:
+        eventlet_patcher = sys.modules.get("eventlet.patcher")
+        if eventlet_patcher is None or not eventlet_patcher.is_monkey_patched("thread"):
+            return []
+        green = "eventlet"
+    return [
+        f"under {green} the heartbeat is a greenlet, not a thread: a body that holds the hub "
+        "(CPU-bound work, a C driver that cannot yield) for a whole lease TTL loses its lease "
+        "unnoticed, and another copy may run beside it; keep lock_ttl above the longest such "
+        "stretch, and call self.check_lock() before writes that must not be done twice"
+    ]
 
 
 def misnamed_settings(conf: Mapping[str, Any]) -> list[str]:
@@ -147,7 +175,7 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore]) -> list[str]:
     """
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 
-    found: list[str] = misnamed_settings(app.conf)
+    found: list[str] = misnamed_settings(app.conf) + green_heartbeat_warnings()
     found += settings_warnings(app, "celery_lock", LockSettings.resolve(app.conf))
     for task in app.tasks.values():
         if isinstance(task, LockedTask):

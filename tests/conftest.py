@@ -100,9 +100,11 @@ def spawn_worker(tmp_path: Path) -> Iterator[Callable[..., CeleryWorker]]:
         *extra_args: str,
         concurrency: int = 4,
         kill_at_end: bool = False,
+        pool: str = "prefork",
     ) -> CeleryWorker:
         worker = CeleryWorker(
             app_module,
+            pool=pool,
             concurrency=concurrency,
             extra_args=["--without-mingle", "--without-gossip", *extra_args],
             env=env,

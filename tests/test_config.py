@@ -555,7 +555,8 @@ def test_api_page_calls_list_the_real_parameters(module: Any) -> None:
     for name in functions:
         real = list(inspect.signature(getattr(module, name)).parameters)
         for documented in re.findall(rf"`{name}\(([^)]*)\)`", page):
-            assert [p.strip() for p in documented.split(",")] == real, f"api.md: {name}"
+            given = [p.strip() for p in documented.split(",") if p.strip()]  # f() has none
+            assert given == real, f"api.md: {name}"
             checked += 1
     assert checked  # the page does show calls of this module's functions
 

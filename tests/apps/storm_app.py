@@ -77,6 +77,17 @@ def long(self: Any, request_idx: int, seconds: float = 8.0) -> int:
     return request_idx
 
 
+@app.task(base=LockedTask, bind=True, lock_key="request_idx", lock_ttl=2.0, name="storm.busy")
+def busy(self: Any, request_idx: int, seconds: float = 6.0) -> int:
+    """Computes for three times its lease TTL, never sleeping: under a green pool it holds the
+    hub throughout; under the others only the heartbeat thread keeps the lease alive."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        pass
+    record(self, request_idx, started)
+    return request_idx
+
+
 @app.task(base=LockedTask, bind=True, lock_key="request_idx", lock_ttl=30.0, name="storm.hold")
 def hold(self: Any, request_idx: int, seconds: float = 20.0) -> int:
     """Holds its request for ``seconds`` on its first grant, briefly on any later one."""
