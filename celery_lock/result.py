@@ -17,8 +17,10 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.backends.rpc import RPCBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
+from celery.states import READY_STATES
 
 from .config import LockSettings
 from .exceptions import ConfigurationError, LockStoreUnavailableError, ResultUnavailableError
@@ -57,6 +59,8 @@ def follow(
 
     Raises:
         celery.exceptions.TimeoutError: nothing was ready within ``timeout``.
+        celery_lock.ConfigurationError: the copy was skipped, and the result backend is
+            ``rpc://``, from which a holder's result cannot be had reliably.
         celery_lock.ResultUnavailableError: the holder completed the request, but its result
             did not reach the backend within ``grace`` (it ignores results, they expired, or
             it died before storing its result).
@@ -78,8 +82,11 @@ def follow(
     for _ in range(max_hops + 1):
         finished_at: float | None = None
         while True:
-            state = current.state
-            if state == SKIPPED or current.ready():
+            # The state and the skip's meta in one read: an rpc:// backend hands each state
+            # message to one read only, so a second read would find the skip gone.
+            meta = current.backend.get_task_meta(current.id)
+            state = meta["status"]
+            if state == SKIPPED or state in READY_STATES:
                 break
             now = time.monotonic()
             if holding is not None:
@@ -96,10 +103,19 @@ def follow(
             time.sleep(interval)
         if state != SKIPPED:
             return current.get(timeout=_left(deadline), interval=interval, propagate=propagate)
-        skipped = current.info or {}
+        skipped = meta.get("result") or {}
         holder = skipped.get("holder")
         if not holder or holder == current.id:
             return None
+        if isinstance(current.backend, RPCBackend):
+            # Each state reaches one reader of the sender's reply queue, once: the holder's
+            # result may have gone to another client, or to an earlier read of this one.
+            raise ConfigurationError(
+                "result_backend",
+                f"follow() cannot follow skipped task {current.id} to its holder {holder} on "
+                "an rpc:// backend, which hands each result to one reader once; use a result "
+                "backend that stores results (Redis, a database)",
+            )
         holding = _Holding(result.app, holder, skipped)
         # In the copy's backend: a task with a result backend of its own stores its holders'
         # results there too, not in the app's.

@@ -650,6 +650,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
         deferrals = int(headers.get(DEFERRALS_HEADER) or getattr(request, DEFERRALS_HEADER, 0) or 0)
         headers[DEFERRALS_HEADER] = deferrals + 1
         countdown, options = copy_delivery(self.app, request, self._defer_delay(deferrals, pttl_ms))
+        # What the caller showed of the arguments (argsrepr, kwargsrepr) instead of them:
+        # Celery's copy of a request leaves them out, and events and Flower would show them.
+        for shown in ("argsrepr", "kwargsrepr"):
+            if getattr(request, shown, None) is not None:
+                options[shown] = getattr(request, shown)
         if reason == "redelivered":
             # A copy of a message already running (or whose holder died) waits for its
             # outcome: accepted before it expired, it must not expire while it waits, which

@@ -142,7 +142,11 @@ def _check_options_fit(app: Celery, given: Mapping[str, tuple[str, Any]]) -> Non
         )
         is None
     ] or list(overrides)
-    message = f"{', '.join(f'{given[s][1]!r}' for s in culprits)} conflicts with {problem}"
+    # The options are in the settings they override: name them as they were given.
+    conflict = str(problem)
+    for setting, (flag, _) in given.items():
+        conflict = re.sub(rf"\b{re.escape(setting)}\b", flag, conflict)
+    message = f"{', '.join(f'{given[s][1]!r}' for s in culprits)} conflicts with {conflict}"
     ctx = click.get_current_context(silent=True)
     if ctx is None:  # a worker started from Python (app.Worker, start_worker): a typed error
         raise ConfigurationError(" / ".join(given[s][0] for s in culprits), message)

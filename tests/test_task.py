@@ -879,3 +879,27 @@ def test_a_deferred_copy_drops_rabbitmqs_dead_letter_headers(
     assert "x-death" not in headers
     assert "x-first-death-queue" not in headers
     assert headers["tenant"] == "a"  # the caller's own headers go along
+
+
+def test_a_deferred_copy_keeps_the_callers_argsrepr_and_kwargsrepr(
+    worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    # docs/monitoring.md: pass argsrepr and kwargsrepr to keep the arguments out of events and
+    # Flower. A deferred copy is published again: its task-received must not show them either.
+    republished: list[dict[str, Any]] = []
+
+    def on_publish(headers: dict[str, Any], **_: Any) -> None:
+        if headers.get(DEFERRALS_HEADER):
+            republished.append(headers)
+
+    lease = hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
+    before_task_publish.connect(on_publish, weak=False)
+    try:
+        result = tasks["stage"].apply_async((7,), argsrepr="(<order>,)", kwargsrepr="{...}")
+        wait_for("the copy to be deferred", lambda: republished, TIMEOUT)
+    finally:
+        before_task_publish.disconnect(on_publish)
+    store.release(lease, success=False, done_ttl_ms=60_000)
+    assert result.get(timeout=TIMEOUT) == "stage"
+    headers = republished[0]  # the first deferral's message
+    assert (headers["argsrepr"], headers["kwargsrepr"]) == ("(<order>,)", "{...}")

@@ -116,7 +116,7 @@ def test_worker_option_contradicting_a_task_option_names_both() -> None:
     given = {"celery_lock_ttl": ("--lock-ttl", 5.0)}
     conflict = (
         "5.0 conflicts with options_tests.t.lock_heartbeat_interval: must be shorter than the "
-        "lease TTL (5.0s, celery_lock_ttl), got 10.0s"
+        "lease TTL (5.0s, --lock-ttl), got 10.0s"
     )
     with click.Context(click.Command("worker")), pytest.raises(click.BadParameter) as raised:
         _check_options_fit(app, given)  # from the command line: Click's usage error
