@@ -82,9 +82,10 @@ def follow(
     for _ in range(max_hops + 1):
         finished_at: float | None = None
         while True:
-            # The state and the skip's meta in one read: an rpc:// backend hands each state
-            # message to one read only, so a second read would find the skip gone.
-            meta = current.backend.get_task_meta(current.id)
+            # The state and the skip's meta in one read, as AsyncResult.state reads them (from
+            # its cache once ready; an EagerResult's own): an rpc:// backend hands each state
+            # message to one read only, so reading .state then .info found the skip gone.
+            meta = current._get_task_meta()  # type: ignore[attr-defined]
             state = meta["status"]
             if state == SKIPPED or state in READY_STATES:
                 break
