@@ -20,7 +20,6 @@ from celery import Celery
 from celery.backends.rpc import RPCBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
-from celery.states import READY_STATES
 
 from .config import LockSettings
 from .exceptions import ConfigurationError, LockStoreUnavailableError, ResultUnavailableError
@@ -87,7 +86,7 @@ def follow(
             # message to one read only, so reading .state then .info found the skip gone.
             meta = current._get_task_meta()  # type: ignore[attr-defined]
             state = meta["status"]
-            if state == SKIPPED or state in READY_STATES:
+            if state == SKIPPED or current.ready():  # ready: from the cache, an Eager's own
                 break
             now = time.monotonic()
             if holding is not None:

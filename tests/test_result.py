@@ -107,6 +107,16 @@ def test_follow_returns_none_at_once_for_a_call_that_ignores_its_result(celery_a
     assert follow(result, timeout=TIMEOUT) is None
 
 
+def test_follow_returns_an_eager_call_s_value_at_once(celery_app: Celery) -> None:
+    @celery_app.task(base=LockedTask, lock_key="request_idx", name="r.eager", shared=False)
+    def eager(request_idx: int) -> int:
+        return request_idx * 2
+
+    assert follow(eager.apply((7,)), timeout=TIMEOUT) == 14  # an EagerResult: ready as made
+    skipped = eager.apply((7,))  # done: state IGNORED, which is no ready state
+    assert follow(skipped, timeout=1) == skipped.get() is None  # as get(): no waiting
+
+
 def test_follow_gives_up_on_a_started_holder_that_completed_but_stored_no_result(
     celery_app: Celery, store: LockStore
 ) -> None:
