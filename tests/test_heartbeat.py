@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -98,6 +99,19 @@ def test_a_thread_that_outlives_stop_ends_instead_of_beating_beside_the_next(
         assert heartbeat.running
     finally:
         heartbeat.stop()
+
+
+def refusing(name: str) -> Callable[[threading.Thread], None]:
+    """A ``Thread.start`` that refuses the threads called ``name``, as a process at its thread
+    limit (a container's pids.max) refuses every new one."""
+    start = threading.Thread.start
+
+    def start_unless_named(thread: threading.Thread) -> None:
+        if thread.name == name:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    return start_unless_named
 
 
 def _granted(store: LockStore, request_key: str, ttl_ms: int) -> Lease:
@@ -260,13 +274,7 @@ def test_two_stores_are_extended_even_when_no_thread_can_start(
         first, second = LockStore.from_url(lock_url), LockStore.from_url(other_server.url)
         heartbeat = Heartbeat()
         leases = [_granted(first, "first", 60_000), _granted(second, "second", 60_000)]
-        start = threading.Thread.start
-
-        def refuse_extend_threads(thread: threading.Thread) -> None:
-            if thread.name == "celery-lock-heartbeat-extend":
-                raise RuntimeError("can't start new thread")
-            start(thread)
-
+        refuse_extend_threads = refusing("celery-lock-heartbeat-extend")
         try:
             for lease in leases:
                 heartbeat.add(lease, LONG)
@@ -293,16 +301,9 @@ def test_a_thread_that_could_not_start_is_started_by_the_next_lease(
     # lost), never left to lapse unnoticed by a heartbeat that thinks it runs.
     store = LockStore.from_url(lock_url)
     heartbeat = Heartbeat()
-    start = threading.Thread.start
-
-    def refuse_the_heartbeat(thread: threading.Thread) -> None:
-        if thread.name == "celery-lock-heartbeat":
-            raise RuntimeError("can't start new thread")
-        start(thread)
-
     try:
         first = _granted(store, "first", 60_000)
-        monkeypatch.setattr(threading.Thread, "start", refuse_the_heartbeat)
+        monkeypatch.setattr(threading.Thread, "start", refusing("celery-lock-heartbeat"))
         with pytest.raises(RuntimeError, match="can't start new thread"):
             heartbeat.add(first, 0.2)
         monkeypatch.undo()

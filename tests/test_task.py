@@ -853,11 +853,9 @@ def test_a_body_that_retries_starts_its_deferral_count_afresh(
     assert DEFERRALS_HEADER not in retried
 
 
-def test_a_deferred_copy_drops_rabbitmqs_dead_letter_headers(
-    worker: Any, tasks: dict[str, Any], store: LockStore
-) -> None:
-    # Celery drops them from a message it publishes again: RabbitMQ < 4.0.1 takes a copy that
-    # carries them through native delayed delivery for a dead-letter cycle, and drops it.
+def first_deferral_headers(tasks: dict[str, Any], store: LockStore, **options: Any) -> Any:
+    """The headers of the first deferred copy of ``t.stage`` for request 7, sent with
+    ``options`` while ``t.pending`` holds the request; the copy then runs."""
     republished: list[dict[str, Any]] = []
 
     def on_publish(headers: dict[str, Any], **_: Any) -> None:
@@ -867,15 +865,22 @@ def test_a_deferred_copy_drops_rabbitmqs_dead_letter_headers(
     lease = hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
     before_task_publish.connect(on_publish, weak=False)
     try:
-        result = tasks["stage"].apply_async(
-            (7,), headers={"x-death": [{"count": 1}], "x-first-death-queue": "q", "tenant": "a"}
-        )
+        result = tasks["stage"].apply_async((7,), **options)
         wait_for("the copy to be deferred", lambda: republished, TIMEOUT)
     finally:
         before_task_publish.disconnect(on_publish)
     store.release(lease, success=False, done_ttl_ms=60_000)
     assert result.get(timeout=TIMEOUT) == "stage"
-    headers = republished[0]  # the first deferral's message
+    return republished[0]
+
+
+def test_a_deferred_copy_drops_rabbitmqs_dead_letter_headers(
+    worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    # Celery drops them from a message it publishes again: RabbitMQ < 4.0.1 takes a copy that
+    # carries them through native delayed delivery for a dead-letter cycle, and drops it.
+    caller = {"x-death": [{"count": 1}], "x-first-death-queue": "q", "tenant": "a"}
+    headers = first_deferral_headers(tasks, store, headers=caller)
     assert "x-death" not in headers
     assert "x-first-death-queue" not in headers
     assert headers["tenant"] == "a"  # the caller's own headers go along
@@ -886,20 +891,5 @@ def test_a_deferred_copy_keeps_the_callers_argsrepr_and_kwargsrepr(
 ) -> None:
     # docs/monitoring.md: pass argsrepr and kwargsrepr to keep the arguments out of events and
     # Flower. A deferred copy is published again: its task-received must not show them either.
-    republished: list[dict[str, Any]] = []
-
-    def on_publish(headers: dict[str, Any], **_: Any) -> None:
-        if headers.get(DEFERRALS_HEADER):
-            republished.append(headers)
-
-    lease = hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
-    before_task_publish.connect(on_publish, weak=False)
-    try:
-        result = tasks["stage"].apply_async((7,), argsrepr="(<order>,)", kwargsrepr="{...}")
-        wait_for("the copy to be deferred", lambda: republished, TIMEOUT)
-    finally:
-        before_task_publish.disconnect(on_publish)
-    store.release(lease, success=False, done_ttl_ms=60_000)
-    assert result.get(timeout=TIMEOUT) == "stage"
-    headers = republished[0]  # the first deferral's message
+    headers = first_deferral_headers(tasks, store, argsrepr="(<order>,)", kwargsrepr="{...}")
     assert (headers["argsrepr"], headers["kwargsrepr"]) == ("(<order>,)", "{...}")
