@@ -29,7 +29,8 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 from celery.states import READY_STATES
-from conftest import wait_for
+from conftest import close_producer, wait_for
+from kombu.transport.redis import Channel as RedisChannel
 
 from celery_lock import SKIPPED, follow
 from celery_lock.testing import CeleryWorker
@@ -84,10 +85,7 @@ def producer(fault_env: dict[str, str]) -> Iterator[Celery]:
         set_as_current=False,
     )
     yield app
-    # Celery's close() leaves connections open; left to the garbage collector they would warn.
-    app.backend.result_consumer.stop()  # the pub/sub connection AsyncResult.get() opens
-    app.backend.client.connection_pool.disconnect()
-    app.close()  # the broker's connection pool is kombu's, shared process-wide: left open
+    close_producer(app)
 
 
 @pytest.fixture
@@ -290,6 +288,10 @@ def test_killed_worker_message_is_restored_by_a_new_worker_at_startup_and_runs_o
     assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(result.id, 2)]
 
 
+@pytest.mark.skipif(
+    not hasattr(RedisChannel, "unacked_restore_interval"),
+    reason="kombu before 5.7 sweeps on a schedule of its own, which the test cannot shorten",
+)
 def test_killed_worker_message_is_restored_by_a_running_worker_sweep_and_runs_once(
     start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
 ) -> None:

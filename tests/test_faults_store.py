@@ -59,7 +59,7 @@ from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, encode_lock, new_token
 from celery_lock.runtime import reset_runtime
 from celery_lock.scripts import RELEASE
-from celery_lock.store import LockStore, TransientReplyError
+from celery_lock.store import LockStore, TransientReplyError, _check_out
 from celery_lock.testing import CeleryWorker, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -777,7 +777,7 @@ def test_after_a_failover_the_store_follows_its_address_to_the_new_primary(
             old_lease = Lease(store, KEYS, old_token, TTL_MS, 1, HOLDER)
             assert store.extend_all([old_lease]) == [True]  # the heartbeat's connection, too
             # Another thread's connection, in use meanwhile: its command must not be cut.
-            busy = store.client.connection_pool.get_connection()
+            busy = _check_out(store.client.connection_pool)
             proxy.upstream_port = promoted.port  # new connections reach the new primary
             admin.replicaof("127.0.0.1", promoted.port)
             other = RequestKeys.build("celery-lock", "shop.process", "43", "shop.process")
@@ -907,8 +907,10 @@ def test_garbage_mid_run_loses_the_lease_and_the_task_succeeds(
     result = tasks["slow"].delay(7)
     assert bodies.started.wait(TIMEOUT)
     keys = tasks["slow"].request_keys((7,), {})
-    admin.delete(keys.lock)
-    admin.rpush(keys.lock, "garbage")  # overwritten by someone else
+    with admin.pipeline() as overwrite:  # one step: a beat between the two would re-create it
+        overwrite.delete(keys.lock)
+        overwrite.rpush(keys.lock, "garbage")  # overwritten by someone else
+        overwrite.execute()
     wait_for(
         "the lost lease logged", lambda: logs.messages(logging.ERROR, "lost while task"), TIMEOUT
     )

@@ -24,7 +24,7 @@ from celery_lock import SKIPPED, LockedTask, LockSettings, LockStoreUnavailableE
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Done, Holder, Lease, encode_lock, new_token
 from celery_lock.runtime import lock_store_url, reset_runtime
-from celery_lock.store import LockStore
+from celery_lock.store import LockStore, _check_out
 from celery_lock.testing import RedisServer, find_redis_server, free_port
 
 HOLDER = Holder("task-1", "shop.process", "host", 1)
@@ -270,7 +270,7 @@ def test_a_rediss_broker_url_in_celerys_spelling_gives_the_lock_store(
     store = LockStore.from_url(lock_store_url(app, LockSettings()), retry_attempts=1)
     try:
         full_cycle(store)
-        pooled = store.client.connection_pool.get_connection()
+        pooled = _check_out(store.client.connection_pool)
         try:
             assert pooled.cert_reqs == mode
         finally:
