@@ -504,6 +504,25 @@ def test_api_page_names_every_public_name() -> None:
             assert re.search(rf"\b{re.escape(name)}\b", page), f"api.md: {module}.{name}"
 
 
+def test_ci_runs_the_readmes_test_commands_as_written() -> None:
+    """CI must run the README's own install-and-test commands, not commands of its own that a
+    change to either could make differ."""
+    readme = ROOT / "README.md"
+    lines = readme.read_text().splitlines()
+    start = lines.index("## Run the tests") + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("## "))
+    commands = [
+        line
+        for block in blocks_of(readme)
+        if block.lang == "bash" and start < block.line <= end
+        for line in block.text.splitlines()
+    ]
+    assert len(commands) >= 2  # the suite, and its in-process part on the oldest releases
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for command in commands:
+        assert command in ci, f".ci/run does not run the README's {command!r}"
+
+
 # -- page sessions: run blocks, files, workers and commands, in the page's order --------------
 
 RUNNER = """
