@@ -195,9 +195,15 @@ class LockSettings:
 
     @cached_property
     def fence_ttl_ms(self) -> int:
-        """How long a fence counter outlives its last grant or heartbeat, in milliseconds: as
-        long as the lease or the done-marker, whichever lives longer."""
-        return max(self.done_ttl_ms, self.ttl_ms)
+        """How long a fence counter outlives its last grant or heartbeat, in milliseconds: the
+        lease TTL plus the longer of the lease TTL and the done TTL.
+
+        Strictly longer than the lease: a holder that pauses past its lease stops beating, so
+        its lease and a counter as long-lived as the lease would lapse at the same moment, and
+        the next grant would get fence 1 again, below the fence the paused holder still writes
+        with. So a counter outlives a lapsed lease by at least one more lease TTL, and by at
+        least the done TTL."""
+        return self.ttl_ms + max(self.done_ttl_ms, self.ttl_ms)
 
     @cached_property
     def interval(self) -> float:

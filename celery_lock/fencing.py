@@ -31,9 +31,13 @@ or in a SQL table with a ``fence`` column (the row must exist; ``NULL`` counts a
 
     @app.task(base=LockedTask, bind=True, lock_key="order_id")
     def settle(self, order_id):
-        with connect() as conn:  # any DB-API connection; the update runs in its transaction
+        conn = connect()  # any DB-API connection; the update runs in its transaction
+        try:
             written = fenced_update(conn, "orders", "id", order_id,
                                     {"status": "settled"}, self.request.lock_fence)
+            conn.commit()  # not every driver's "with conn:" commits (PyMySQL's only closes)
+        finally:
+            conn.close()
         if not written:
             ...  # a later holder got there first (or the row is missing): leave it alone
 
@@ -43,13 +47,13 @@ The same pattern by hand, for any SQL store::
      WHERE id = :id AND (fence IS NULL OR fence <= :fence)
 
 What fencing does not give: a fence only orders grants **of one request** (the counter is per
-request key), so keep one fenced record per request. The counter lives at least as long as
-the done-marker (``celery_lock_done_ttl``) after the last grant or heartbeat; once it expires
-(or is evicted), fences start again from 1, so a fenced record should not outlive it
-(``ttl=``). Only stores that check the fence are protected; a stale holder can still send an
-e-mail or write to a store that does not. And :meth:`celery_lock.LockedTask.check_lock` before a
-write narrows the window but cannot close it: the process can pause between the check and the
-write.
+request key), so keep one fenced record per request. The counter lives at least the lease TTL
+plus the longer of the lease TTL and the done TTL (``celery_lock_done_ttl``) after the last
+grant or heartbeat; once it expires (or is evicted), fences start again from 1, so a fenced
+record should not outlive it (``ttl=``). Only stores that check the fence are protected; a
+stale holder can still send an e-mail or write to a store that does not. And
+:meth:`celery_lock.LockedTask.check_lock` before a write narrows the window but cannot close it:
+the process can pause between the check and the write.
 
 .. versionadded:: 0.1.0
 """
@@ -248,18 +252,24 @@ class _Connection(Protocol):
 
 
 def _identifier(name: str, what: str) -> str:
+    """``name`` as a plain ``str`` once checked: the text checked is the text formatted in.
+
+    A ``str`` subclass formats as it likes: a ``(str, Enum)`` member as ``Column.ID``, not as
+    the ``id`` it holds, and any subclass as text that was never checked.
+    """
     if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
         raise ValueError(f"{what} must match [A-Za-z_][A-Za-z0-9_]*, got {name!r}")
-    return name
+    return str.__str__(name)
 
 
 def _table(name: str) -> str:
+    """``name`` as a plain ``str`` once checked (see :func:`_identifier`)."""
     if not isinstance(name, str) or not _TABLE.fullmatch(name):
         raise ValueError(
             f"table must match [A-Za-z_][A-Za-z0-9_]*, or schema.table with each part so, "
             f"got {name!r}"
         )
-    return name
+    return str.__str__(name)
 
 
 def _paramstyle(conn: _Connection) -> str:
@@ -366,9 +376,10 @@ def fenced_update(
     .. versionadded:: 0.1.0
     """
     _check_fence(fence)
-    _table(table)
-    _identifier(key_column, "key_column")
-    _identifier(fence_column, "fence_column")
+    # The names as plain str: the text checked is the text formatted into the SQL.
+    table = _table(table)
+    key_column = _identifier(key_column, "key_column")
+    fence_column = _identifier(fence_column, "fence_column")
     if not values:
         raise ValueError("values must name at least one column to set")
     columns = [_identifier(column, "a column in values") for column in values]

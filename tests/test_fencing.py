@@ -6,6 +6,7 @@ may write twice), refused when it is smaller.
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import random
@@ -23,6 +24,7 @@ import redis
 from programs import run_program
 
 from celery_lock import CeleryLockError
+from celery_lock.config import LockSettings
 from celery_lock.fencing import (
     MAX_FENCE,
     FencedRedis,
@@ -33,7 +35,7 @@ from celery_lock.fencing import (
     fenced_update,
 )
 from celery_lock.keys import RequestKeys
-from celery_lock.lease import Acquired, Holder, new_token
+from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer
 
@@ -574,3 +576,96 @@ def test_example_runs_and_fences_off_the_stale_holder() -> None:
     assert "A writes with fence 1: fenced update REJECTED" in done.stdout
     assert "B writes with fence 2: fenced update accepted" in done.stdout
     assert "OK: the stale holder was fenced off" in done.stdout
+
+
+# -- the fence counter outlives a lapsed lease ------------------------------------------------
+
+
+@pytest.mark.parametrize(("ttl", "done_ttl"), [(1.0, 1.0), (1.0, 0.5)], ids=["equal", "shorter"])
+def test_a_holder_paused_past_its_lease_is_fenced_off_whatever_the_done_ttl(
+    lock_url: str, sink: redis.Redis, ttl: float, done_ttl: float
+) -> None:
+    """The settings' own counter TTL, with a done TTL no longer than the lease's (a periodic
+    task's ``lock_done_ttl`` below its period, as concepts.md advises): A is granted and beats
+    once, then pauses just past its lease; B is granted and writes; A wakes and writes."""
+    settings = LockSettings.resolve({"celery_lock_ttl": ttl, "celery_lock_done_ttl": done_ttl})
+    store = LockStore.from_url(lock_url)
+    keys = RequestKeys.build("celery-lock", "shop.tick", "7", "shop.tick")
+
+    def grant(task_id: str) -> Lease:
+        holder = Holder(task_id=task_id, task_name="shop.tick", host="h", pid=os.getpid())
+        token = new_token()
+        outcome = store.acquire(keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms)
+        assert isinstance(outcome, Acquired)
+        return Lease(
+            store, keys, token, settings.ttl_ms, outcome.fence, holder, settings.fence_ttl_ms
+        )
+
+    try:
+        for earlier in ("r1", "r2"):  # earlier runs that failed: no done-marker
+            store.release(grant(earlier), success=False, done_ttl_ms=settings.done_ttl_ms)
+        a = grant("A")
+        assert store.extend_all([a]) == [True]  # A's last heartbeat
+        time.sleep(ttl + 0.1)  # A pauses past its lease (not past it by the done TTL)
+        b = grant("B")
+        b_wrote = fenced_set(sink, KEY, "by B", b.fence)
+        a_wrote = fenced_set(sink, KEY, "by A", a.fence)
+        assert b.fence > a.fence
+        assert (b_wrote, a_wrote) == (True, False)
+        assert fenced_get(sink, KEY) == FencedValue(b"by B", b.fence)
+    finally:
+        store.client.close()
+
+
+# -- names: the text validated is the text in the SQL -----------------------------------------
+
+
+class Column(str, enum.Enum):  # a common way to name columns once
+    ID = "id"
+    STATUS = "status"
+    FENCE = "fence"
+
+
+class Table(str, enum.Enum):
+    ORDERS = "orders"
+
+
+def test_sql_names_given_as_str_enum_members_are_used_as_their_values(
+    db: sqlite3.Connection,
+) -> None:
+    # format() of a (str, Enum) member is "Column.ID", not "id": that is not the name checked.
+    assert fenced_update(
+        db, Table.ORDERS, Column.ID, 1, {Column.STATUS: "paid"}, 3, fence_column=Column.FENCE
+    )
+    assert row(db) == ("paid", 3)
+    with pytest.raises(StaleFenceError, match="stale fence 2 for orders:1: the store holds 3"):
+        fenced_update(
+            db, Table.ORDERS, Column.ID, 1, {Column.STATUS: "stale"}, 2,
+            fence_column=Column.FENCE, raise_on_stale=True,
+        )  # fmt: skip
+    assert row(db) == ("paid", 3)
+
+
+class Disguised(str):
+    """A str whose formatting is not its text: the check must see what the SQL gets."""
+
+    def __format__(self, spec: str) -> str:
+        return "orders SET fence = 0; --"
+
+
+@pytest.mark.parametrize("where", ["table", "key_column", "fence_column", "values"])
+def test_sql_a_str_subclass_cannot_format_other_text_into_the_statement(
+    where: str,
+) -> None:
+    conn = RecordingConnection()
+    args: dict[str, Any] = {"table": "orders", "key_column": "id", "values": {"status": "x"}}
+    if where == "values":
+        args["values"] = {Disguised("status"): "x"}
+    else:
+        args[where] = Disguised(args.get(where, "fence"))
+    fenced_update(conn, key=1, fence=1, paramstyle="qmark", **args)
+    [(sql, _)] = conn.executed
+    assert "--" not in sql
+    assert sql == (
+        "UPDATE orders SET status = ?, fence = ? WHERE id = ? AND (fence IS NULL OR fence <= ?)"
+    )
