@@ -89,6 +89,11 @@ def stored_key_part(part: str) -> str:
     return part if _DIGESTED.fullmatch(part) else safe_key_part(part)
 
 
+#: The types Celery's JSON carries as ISO text, each read back as that type (never a subclass);
+#: datetime before date, which it derives from.
+_CLOCKS: tuple[Any, ...] = (datetime.datetime, datetime.date, datetime.time)
+
+
 def _canonical(value: Any) -> Any:
     """A JSON-able form of ``value`` that is equal across processes for equal values.
 
@@ -104,8 +109,11 @@ def _canonical(value: Any) -> Any:
         return list(value)
     if isinstance(value, uuid.UUID):
         return {"__uuid__": str(value)}
-    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
-        return {f"__{type(value).__name__}__": value.isoformat()}
+    for kind in _CLOCKS:
+        if isinstance(value, kind):
+            # Tagged by the type Celery's JSON carries (a subclass, such as pendulum's or
+            # freezegun's, arrives as a plain datetime), in that type's own ISO format.
+            return {f"__{kind.__name__}__": kind.isoformat(value)}
     if isinstance(value, decimal.Decimal):
         return {"__decimal__": str(value)}
     raise TypeError(f"cannot derive a stable key from a {type(value).__name__}")
@@ -159,6 +167,13 @@ def _as_received(value: Any) -> Any:
         return int.__int__(value)
     if isinstance(value, float):
         return float.__float__(value)
+    for clock in _CLOCKS:
+        if isinstance(value, clock):
+            if type(value) is clock and getattr(value, "tzinfo", None) is None:
+                return value
+            # As Celery's JSON carries it, its ISO text read back: a plain datetime (not a
+            # subclass), its zone a fixed UTC offset (``{when!r}``, ``{when:%Z}`` read alike).
+            return clock.fromisoformat(clock.isoformat(value))
     return value
 
 
@@ -221,8 +236,10 @@ def digest_arguments(task_name: str, arguments: Mapping[str, Any]) -> str:
 #: them would depend on dict insertion order and set iteration order (which changes with
 #: the hash seed), and would tell a tuple at publish from the list the worker receives.
 _CONTAINERS = (dict, list, tuple, set, frozenset)
-#: The default ``repr`` of an object: its text is its memory address.
-_ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+>")
+#: Text that shows a memory address: the default ``repr`` of an object (``<Order object at
+#: 0x7f..>``), a function's, a method's (``<built-in method lower of str object at 0x7f..>``,
+#: what ``{tenant.lower}`` reaches). It differs in every process and for every copy received.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
 
 
 def _render(value: Any) -> str | bytes:
@@ -265,7 +282,19 @@ def _render(value: Any) -> str | bytes:
             return text
     if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:
         raise TypeError(f"a {kind.__name__} has no text of its own (give it __str__)")
-    return str(value)
+    return _named(str(value))
+
+
+def _named(text: str) -> str:
+    """``text``, unless it shows a memory address (a method a template reached, an object
+    without text of its own inside another's): a key of its own for every copy.
+
+    Raises:
+        TypeError: ``text`` shows a memory address.
+    """
+    if _ADDRESS.search(text):
+        raise TypeError(f"{text[:60]} reads as a memory address, another in every process")
+    return text
 
 
 def _describe(function: Callable[..., Any]) -> str:
@@ -397,7 +426,18 @@ class KeyDeriver:
         arguments = dict(bound.arguments)
         for param in self.signature.parameters.values():
             if param.kind is inspect.Parameter.VAR_KEYWORD:
-                arguments.update(arguments.pop(param.name, {}))
+                collected = arguments.pop(param.name, {})
+                clash = sorted(collected.keys() & arguments.keys())
+                if clash:
+                    # f(1, args=2) binds *args to (1,) and collects args=2: merged, one would
+                    # replace the other, and f(1, args=2), f(3, args=2) would be one request.
+                    raise LockKeyError(
+                        f"cannot derive the request key: keyword argument(s) "
+                        f"{', '.join(map(repr, clash))} collected by **{param.name} have the "
+                        f"name of a *args or positional-only parameter",
+                        task_name=self.task_name,
+                    )
+                arguments.update(collected)
         return arguments
 
     def request_key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
@@ -472,8 +512,22 @@ class KeyDeriver:
         self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> str | bytes:
         """What a callable ``lock_key`` returns for a call, checked to be a request key."""
+        # As the worker receives them, at the caller too (a tuple as a list, a str enum member
+        # as its value): a callable that reads what only the caller's objects have
+        # (``kind.value``) fails here, at publish, not on the worker for every copy; and a
+        # direct or eager call keys the request as the worker does.
         try:
-            key = function(*args, **kwargs)
+            received = [v if type(v) in _AS_SENT else _as_received(v) for v in args]
+            received_kwargs = {
+                k: v if type(v) in _AS_SENT else _as_received(v) for k, v in kwargs.items()
+            }
+        except RecursionError as exc:
+            raise LockKeyError(
+                "cannot derive the request key: an argument holds itself or is nested too deeply",
+                task_name=self.task_name,
+            ) from exc
+        try:
+            key = function(*received, **received_kwargs)
         except Exception as exc:
             raise LockKeyError(
                 f"lock_key callable {_describe(function)} raised {exc!r}", task_name=self.task_name
@@ -526,7 +580,9 @@ class _KeyField:
     def __repr__(self) -> str:  # ``{name!r}``, ``{name!a}`` (ascii() escapes this repr)
         if self.__leaves is not None:
             self.__leaves.append(self.__value)
-        return _ordered_text(self.__value)  # sets ordered alike in every process
+        text = _ordered_text(self.__value)  # sets ordered alike in every process
+        # A str, bytes or number is its own text; anything else must not show an address.
+        return text if type(self.__value) in _AS_SENT else _named(text)
 
     def __getattr__(self, name: str) -> Any:
         return _KeyField(getattr(self.__value, name), self.__leaves)

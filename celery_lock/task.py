@@ -45,7 +45,7 @@ import logging
 import os
 import random
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
@@ -238,8 +238,23 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Check the lock options when the task class is created (decoration or finalize)."""
         super().__init_subclass__(**kwargs)
+        cls._check_lock_options()
+
+    @classmethod
+    def annotate(cls) -> None:
+        """Celery's ``task_annotations``, then the lock options checked again: an annotation
+        sets ``lock_key`` or ``lock_scope`` on the class after it was created, and a deriver
+        built before would go on keying every call by the ``lock_key`` the annotation replaced.
+        """
+        super().annotate()
+        cls._check_lock_options()
+
+    @classmethod
+    def _check_lock_options(cls) -> None:
         spec = cls.__dict__.get("lock_key", cls.lock_key)
-        if inspect.isfunction(spec):
+        if isinstance(spec, staticmethod):  # wrapped below when the class was created
+            spec = spec.__func__
+        elif inspect.isfunction(spec):
             # A plain function as a class attribute would become a bound method.
             cls.lock_key = staticmethod(spec)
         signature = _run_signature(cls)
@@ -283,7 +298,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         """
         if self._lock_deriver is not None:
             try:
-                self._lock_deriver.request_key(tuple(args or ()), kwargs or {})
+                self._lock_deriver.request_key(*self._as_sent(tuple(args or ()), kwargs or {}))
             except LockKeyError as exc:
                 if not options.get("parent_id"):
                     raise
@@ -306,10 +321,24 @@ class LockedTask(Task):  # type: ignore[type-arg]
         deriver = self._lock_deriver or KeyDeriver.create(
             self.name, inspect.signature(self.run), self.lock_key
         )
-        request_key = deriver.request_key(args, kwargs)
+        request_key = deriver.request_key(*self._as_sent(args, kwargs))
         return RequestKeys.build(
             settings.key_prefix, self.lock_scope or self.name, request_key, self.name
         )
+
+    def _as_sent(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[tuple[Any, ...], Mapping[str, Any]]:
+        """The call's arguments as Celery sends them, which the key is derived from at the
+        caller, on the worker and in a direct call alike: under ``pydantic=True``, a model
+        argument is sent as its dump (a dict), so ``{order[id]}`` is the key the worker can
+        derive, not ``{order.id}``, and the default key digests the dump.
+        """
+        dump = getattr(self, "_dump_pydantic_arguments", None)  # not in older Celery
+        if dump is None:
+            return args, kwargs
+        sent_args, sent_kwargs = dump(args, kwargs)
+        return tuple(sent_args), sent_kwargs
 
     def check_lock(self) -> None:
         """Raise :class:`LockLostError` if this run's lease has been lost; call it before
