@@ -135,8 +135,14 @@ class LockAdmin:
         return lock_key.removesuffix(":lock")
 
     def scan(self, pattern: str) -> Iterator[str]:
+        """The keys matching ``pattern``, each once: SCAN may return a key more than once (when
+        the keyspace shrinks between two steps, say)."""
+        seen: set[str] = set()
         for key in self.client.scan_iter(match=pattern, count=SCAN_BATCH):
-            yield _text(key)
+            text = _text(key)
+            if text not in seen:
+                seen.add(text)
+                yield text
 
     def leases(self, keys: list[str]) -> list[LeaseInfo]:
         """Read the leases under ``keys`` in one pipelined round trip per batch."""
@@ -162,25 +168,26 @@ class LockAdmin:
             if value is None or pttl == -2:
                 found.append((None, b""))  # released between SCAN and read
                 continue
+            if _wrong_type(value):  # not a string at all
+                found.append((_foreign(key, pttl), b""))
+                continue
             try:
-                if _wrong_type(value):  # not a string at all
-                    found.append((_foreign(key, pttl), b""))
-                    continue
                 entry = decode_lock(value)
-            except (ValueError, KeyError, TypeError):
-                # Not a lock celery-lock wrote: listed, so that it can be found and released.
+                holder = entry.holder
+                lease = LeaseInfo(
+                    key=key,
+                    task_id=holder.task_id,
+                    task=holder.task_name,
+                    worker=f"{holder.host}:{holder.pid}",
+                    age_s=round((now_ms - entry.since_ms) / 1000, 3) if entry.since_ms else None,
+                    ttl_left_s=_ttl_left(pttl),
+                    fence=entry.fence,
+                )
+            except (ValueError, KeyError, TypeError, OverflowError):
+                # Not a lock celery-lock wrote (OverflowError: a "since" no float holds, for
+                # the age): listed, so that it can be found and released.
                 found.append((_foreign(key, pttl), value))
                 continue
-            holder = entry.holder
-            lease = LeaseInfo(
-                key=key,
-                task_id=holder.task_id,
-                task=holder.task_name,
-                worker=f"{holder.host}:{holder.pid}",
-                age_s=round((now_ms - entry.since_ms) / 1000, 3) if entry.since_ms else None,
-                ttl_left_s=_ttl_left(pttl),
-                fence=entry.fence,
-            )
             found.append((lease, value))
         return found
 
@@ -202,7 +209,8 @@ class LockAdmin:
         key = self.lock_key(name)
         tag = self.tag(key)
         leases = self.leases([key])
-        done_keys = list(self.scan(f"{_escape(tag)}:done:*"))
+        done_prefix = f"{tag}:done:"
+        done_keys = list(self.scan(f"{_escape(done_prefix)}*"))
         pipe = self.client.pipeline(transaction=False)
         for string_key in [f"{tag}:fence", *done_keys]:
             pipe.get(string_key)
@@ -219,7 +227,8 @@ class LockAdmin:
         for done_key, (task_id, pttl, key_type) in zip(done_keys, markers, strict=True):
             if task_id is None:
                 continue  # expired or deleted between SCAN and read
-            done[done_key.rsplit(":done:", 1)[1]] = {
+            # The task name is all that follows the tag's ":done:": it may hold ":done:" too.
+            done[done_key.removeprefix(done_prefix)] = {
                 "task_id": _not_a_string(key_type) if _wrong_type(task_id) else _text(task_id),
                 "ttl_left_s": _ttl_left(pttl),
             }
@@ -255,9 +264,14 @@ class LockAdmin:
             # LockStateError) is that task's marker only, not every stage's of the request.
             return done_key, [done_key] if self.client.delete(done_key) else []
         keys = list(self.scan(f"{_escape(tag)}:done:*"))
-        if keys:
-            self.client.delete(*keys)
-        return None, keys
+        if not keys:
+            return None, []
+        # One DEL per key, in one round trip: a marker that expired since the SCAN found it
+        # was not forgotten, and is not reported as such.
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.delete(key)
+        return None, [key for key, gone in zip(keys, pipe.execute(), strict=True) if gone]
 
 
 # Deletes the lease at KEYS[1] only if the key holds what it held when the user was asked:

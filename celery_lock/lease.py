@@ -99,16 +99,21 @@ def decode_lock(value: str | bytes, *, with_token: bool = True) -> LockEntry:
     if with_token:
         text = text.partition(" ")[2]
     fence, _, described = text.partition(" ")
-    fields = json.loads(described)
-    if not isinstance(fields, dict):
-        raise ValueError(f"not a lock: {text[:60]!r}")
-    holder = Holder(
-        task_id=str(fields["task_id"]),
-        task_name=str(fields["task"]),
-        host=str(fields.get("host", "")),
-        pid=int(fields.get("pid", 0)),
-    )
-    return LockEntry(fence=int(fence), holder=holder, since_ms=int(fields.get("since", 0)))
+    try:
+        fields = json.loads(described)
+        if not isinstance(fields, dict):
+            raise ValueError(f"not a lock: {text[:60]!r}")
+        holder = Holder(
+            task_id=str(fields["task_id"]),
+            task_name=str(fields["task"]),
+            host=str(fields.get("host", "")),
+            pid=int(fields.get("pid", 0)),
+        )
+        return LockEntry(fence=int(fence), holder=holder, since_ms=int(fields.get("since", 0)))
+    except (OverflowError, RecursionError) as exc:
+        # A number no int holds (1e999 reads as inf), JSON nested past the parser's depth:
+        # not a lock celery-lock wrote either.
+        raise ValueError(f"not a lock: {text[:60]!r}") from exc
 
 
 @dataclass(frozen=True)

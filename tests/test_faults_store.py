@@ -851,6 +851,11 @@ GARBAGE: dict[str, Callable[[redis.Redis, RequestKeys], Any]] = {
     "lock-list": lambda r, k: r.rpush(k.lock, "a", "b"),
     "lock-hash": lambda r, k: r.hset(k.lock, "owner", "someone"),
     "lock-no-ttl": lambda r, k: r.set(k.lock, encode_lock("someone", 1, HOLDER, 0)),
+    # A holder Python cannot read: a number no float holds, JSON nested past the parser's depth.
+    "lock-pid-inf": lambda r, k: r.set(
+        k.lock, 'someone 1 {"task_id": "x", "task": "shop.process", "pid": 1e999}', px=60_000
+    ),
+    "lock-nested": lambda r, k: r.set(k.lock, "someone 1 " + "[" * 100_000, px=60_000),
     "fence-abc": lambda r, k: r.set(k.fence, "abc"),
     "fence-at-max": lambda r, k: r.set(k.fence, str(2**63 - 1)),
     "done-hash": lambda r, k: r.hset(k.done, "task", "x"),
@@ -860,6 +865,8 @@ EXPECTED = {
     "lock-list": ("lock", "holds a list, expected a string"),
     "lock-hash": ("lock", "holds a hash, expected a string"),
     "lock-no-ttl": ("lock", r"did not write \(task 'shop.process', TTL -1"),
+    "lock-pid-inf": ("lock", "holds something celery-lock did not write"),
+    "lock-nested": ("lock", "holds something celery-lock did not write"),
     "fence-abc": ("fence", "holds 'abc', expected a fence counter"),
     "fence-at-max": ("fence", "expected a fence counter"),
     "done-hash": ("done", "holds a hash, expected a string"),
