@@ -103,6 +103,8 @@ X_DEATH_HEADERS = frozenset(
         "x-last-death-reason",
     }
 )
+#: ``Task.retry``'s parameters in their order, before its publish options.
+_RETRY_PARAMETERS = ("args", "kwargs", "exc", "throw", "eta", "countdown", "max_retries")
 #: First and longest wait before a deferred copy is tried again, in seconds.
 DEFER_MIN_DELAY = 0.5
 DEFER_MAX_DELAY = 60.0
@@ -520,7 +522,21 @@ class LockedTask(Task):  # type: ignore[type-arg]
         The retry carries this task id: released with a done-marker, the request would look
         finished by this very task, and the retry would be acked unrun as a redelivery of a
         message that succeeded.
+
+        The retry is published as a deferred copy is (:func:`~celery_lock.delivery.copy_delivery`),
+        where the call does not say otherwise: with the serializer its message came in, and,
+        on RabbitMQ's native delayed delivery, a countdown in whole seconds (at least 1) and
+        the queue it came from. As Celery publishes it, with the task's serializer (an
+        argument only the message's can carry), a countdown under a second (refused) or
+        routed by the default queue's routing key, the publish fails and Celery rejects the
+        message without requeue, or the retry leaves its queue: the request is lost. Unless the
+        call passes other arguments, the retry also keeps the caller's ``argsrepr`` and
+        ``kwargsrepr``, which Celery's copy of the request drops (events and Flower would show
+        the arguments they hide).
         """
+        request = self.request
+        if not (request.is_eager or request.called_directly):
+            self._deliver_retry_as_it_came(request, args, kwargs)
         try:
             signature = super().retry(*args, **kwargs)
         except Retry:
@@ -528,6 +544,26 @@ class LockedTask(Task):  # type: ignore[type-arg]
             raise
         self._note_retry_sent()
         return signature
+
+    def _deliver_retry_as_it_came(
+        self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Add to ``retry``'s keyword arguments ``kwargs`` what its copy must keep of the
+        message (see :meth:`retry`), where ``args`` and ``kwargs`` do not name it."""
+        positional = dict(zip(_RETRY_PARAMETERS, args, strict=False))
+        given = {**positional, **kwargs}
+        eta, countdown = given.get("eta"), given.get("countdown")
+        if not eta and countdown is None:
+            countdown = self.default_retry_delay  # as Celery's retry does
+        delay, delivery = copy_delivery(self.app, request, float(countdown or 0))
+        for name, value in delivery.items():  # serializer; queue on native delayed delivery
+            kwargs.setdefault(name, value)
+        if not eta and countdown and delay != countdown and "countdown" not in positional:
+            kwargs["countdown"] = delay  # rounded up to whole seconds
+        if given.get("args") is None and given.get("kwargs") is None:
+            for shown in ("argsrepr", "kwargsrepr"):
+                if shown not in kwargs and getattr(request, shown, None) is not None:
+                    kwargs[shown] = getattr(request, shown)
 
     def _note_retry_sent(self) -> None:
         request = self.request

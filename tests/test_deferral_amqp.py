@@ -73,7 +73,20 @@ def stage(celery_app: Celery) -> Any:
 
 
 @pytest.fixture
-def work_worker(celery_app: Celery, stage: Any) -> Iterator[TestWorkController]:
+def redo(celery_app: Celery) -> Any:
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="idx", name="q.redo", shared=False, max_retries=3,
+    )  # fmt: skip
+    def redo(self: Any, idx: int, countdown: float) -> int:
+        if self.request.retries == 0:
+            raise self.retry(countdown=countdown)
+        return idx
+
+    return redo
+
+
+@pytest.fixture
+def work_worker(celery_app: Celery, stage: Any, redo: Any) -> Iterator[TestWorkController]:
     """A worker of the work queue alone, as a dedicated pool would be; both queues declared
     first (as their own workers would), and deleted after."""
     with celery_app.connection_for_write() as connection:
@@ -128,3 +141,15 @@ def test_a_held_request_on_a_quorum_queue_with_a_delivery_limit_runs_once_free(
     threading.Event().wait(3)
     store.release(lease, success=False, done_ttl_ms=60_000)
     assert result.get(timeout=TIMEOUT) == 8
+
+
+@pytest.mark.parametrize("countdown", [1.0, 0.1], ids=["routed", "under-a-second"])
+def test_a_retry_on_a_quorum_queue_runs_on_the_queue_it_came_from(
+    redo: Any, work_worker: Any, countdown: float
+) -> None:
+    """Celery publishes a retry's countdown through native delayed delivery as it does any
+    countdown: routed by the default queue's routing key, the retry left the work queue (and
+    waited for ever where no worker consumes the default one), and a countdown under a second
+    (int() of it is 0) failed to publish, so Celery rejected the message without requeue."""
+    result = redo.apply_async((7, countdown), queue=WORK_QUEUE)
+    assert result.get(timeout=TIMEOUT) == 7

@@ -58,3 +58,27 @@ def test_a_pickled_copy_is_deferred_as_pickle(
     assert deferred[0] == "contention"
     store.release(lease, success=False, done_ttl_ms=60_000)  # the other stage is done
     assert result.get(timeout=TIMEOUT) == "set"  # pickled all the way
+
+
+@pytest.fixture
+def restock(celery_app: Celery) -> Any:
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key=lambda skus: ",".join(sorted(skus)),
+        name="s.restock", shared=False, max_retries=3,
+    )  # fmt: skip
+    def restock(self: Any, skus: set[str]) -> str:
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.1)
+        return type(skus).__name__
+
+    return restock
+
+
+def test_a_pickled_message_whose_body_retries_is_retried_as_pickle(
+    restock: Any, celery_worker: Any
+) -> None:
+    """Celery's retry publishes the copy with the task's serializer (JSON): a message that came
+    in as pickle with an argument JSON cannot carry (a set) failed to publish its retry, and
+    Celery rejected it without requeue, so the request was never done nor handed on."""
+    result = restock.apply_async(({"hat", "socks"},), serializer="pickle")
+    assert result.get(timeout=TIMEOUT) == "set"

@@ -897,3 +897,24 @@ def test_a_deferred_copy_keeps_the_callers_argsrepr_and_kwargsrepr(
     # Flower. A deferred copy is published again: its task-received must not show them either.
     headers = first_deferral_headers(tasks, store, argsrepr="(<order>,)", kwargsrepr="{...}")
     assert (headers["argsrepr"], headers["kwargsrepr"]) == ("(<order>,)", "{...}")
+
+
+def test_a_retry_keeps_the_callers_argsrepr_and_kwargsrepr(
+    worker: Any, tasks: dict[str, Any]
+) -> None:
+    # docs/monitoring.md: argsrepr and kwargsrepr keep the arguments out of events and Flower.
+    # Celery's retry copies the request without them: the retry's task-received showed them.
+    published: list[dict[str, Any]] = []
+
+    def on_publish(headers: dict[str, Any], **_: Any) -> None:
+        if headers.get("task") == "t.flaky":
+            published.append(headers)
+
+    before_task_publish.connect(on_publish, weak=False)
+    try:
+        result = tasks["flaky"].apply_async((7,), argsrepr="(<order>,)", kwargsrepr="{...}")
+        assert result.get(timeout=TIMEOUT) == "second time lucky"
+    finally:
+        before_task_publish.disconnect(on_publish)
+    _, retried = published
+    assert (retried["argsrepr"], retried["kwargsrepr"]) == ("(<order>,)", "{...}")
