@@ -504,6 +504,23 @@ def test_a_failed_login_is_reported_as_such(
     assert "Traceback" not in done.stderr
 
 
+def test_options_come_from_celery_environment_variables_too(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    """Celery reads every option of its commands from ``CELERY_<COMMAND>_<OPTION>`` as well
+    (click's auto_envvar_prefix), as docs/cli.md warns: release's two guards included."""
+    lease = take(store, 5, "task-5")
+    env = {**worker_env, "CELERY_LOCK_AS_JSON": "1"}
+    listed = celery_lock_cli(env, "ls")
+    assert json.loads(listed.stdout)[0]["key"] == lease.keys.lock
+    released = celery_lock_cli(
+        {**env, "CELERY_LOCK_RELEASE_FORCE": "1", "CELERY_LOCK_RELEASE_YES": "1"},
+        "release", "storm.process:5",
+    )  # fmt: skip
+    assert json.loads(released.stdout) == {"key": lease.keys.lock, "released": True}
+    assert not store.client.exists(lease.keys.lock)
+
+
 def test_without_an_app_or_a_url_the_error_suggests_both(tmp_path: Path) -> None:
     # Celery's default app (no -A) has no settings: the lock store cannot be found.
     env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY")}
