@@ -2,6 +2,9 @@
 
 * a done-marker that lives shorter than the broker's visibility timeout: a message redelivered
   after the marker expired would run its request again;
+* a task that changes a delivery default ``LockedTask`` sets (``acks_late=False``,
+  ``reject_on_worker_lost=False``, ``retry_on_worker_lost=True``): a killed holder's message
+  would not come back as itself, and its request might never run;
 * a heartbeat interval above a third of the lease TTL (fewer than three beats per TTL): after
   one missed beat, the next has less than an interval's margin before the lease lapses;
 * a lock store that may evict keys (``maxmemory`` with a policy other than ``noeviction``):
@@ -34,6 +37,7 @@ from .runtime import first_broker_url
 from .store import REFUSED_ERRORS, TRANSIENT_ERRORS, LockStore, address_of, reach
 
 __all__ = [
+    "delivery_warnings",
     "green_heartbeat_warnings",
     "misnamed_settings",
     "settings_warnings",
@@ -86,6 +90,34 @@ def settings_warnings(app: Celery, name: str, settings: LockSettings) -> list[st
             "interval's margin before the lease lapses while the task runs"
         )
     return found
+
+
+#: The delivery defaults LockedTask sets, and what a task that changes one loses.
+_DELIVERY_DEFAULTS: dict[str, tuple[bool, str]] = {
+    "acks_late": (
+        True,
+        "its message is acked before the body runs, so a holder killed mid-run takes its "
+        "request with it",
+    ),
+    "reject_on_worker_lost": (
+        True,
+        "a killed holder's message is not brought back, so its request never runs",
+    ),
+    "retry_on_worker_lost": (
+        False,
+        "a killed holder's message becomes a Celery retry, counted against max_retries",
+    ),
+}
+
+
+def delivery_warnings(task: Any) -> list[str]:
+    """Which delivery defaults of :class:`~celery_lock.LockedTask` ``task`` changes (a task
+    option, a subclass or ``task_annotations``)."""
+    return [
+        f"{task.name}: {option}={not default} contradicts LockedTask's delivery default: {cost}"
+        for option, (default, cost) in _DELIVERY_DEFAULTS.items()
+        if bool(getattr(task, option, default)) != default
+    ]
 
 
 def green_heartbeat_warnings() -> list[str]:
@@ -179,6 +211,7 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore]) -> list[str]:
     found += settings_warnings(app, "celery_lock", LockSettings.resolve(app.conf))
     for task in app.tasks.values():
         if isinstance(task, LockedTask):
+            found += delivery_warnings(task)
             settings = task.lock_settings()
             if settings != LockSettings.resolve(app.conf):
                 found += settings_warnings(app, task.name, settings)

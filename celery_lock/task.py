@@ -756,7 +756,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
     @staticmethod
     def _defer_delay(deferrals: int, pttl_ms: int) -> float:
-        """Exponential backoff from DEFER_MIN_DELAY, no later than the holder's lease lapses.
+        """Exponential backoff from DEFER_MIN_DELAY, capped by the holder's remaining lease and
+        by DEFER_MAX_DELAY, then jittered by ±20 %.
 
         With no holder (``pttl_ms <= 0``: the lock store was unreachable) only the backoff
         and DEFER_MAX_DELAY bound the wait.

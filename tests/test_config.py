@@ -644,3 +644,27 @@ def test_reset_runtime_is_public() -> None:
     namespace: dict[str, Any] = {}
     exec("from celery_lock.runtime import *", namespace)
     assert callable(namespace["reset_runtime"])
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("acks_late", False), ("reject_on_worker_lost", False), ("retry_on_worker_lost", True)],
+)
+def test_a_task_that_changes_a_delivery_default_is_warned_at_worker_start(
+    celery_app: Celery, option: str, value: bool
+) -> None:
+    """A killed holder's message must come back (late ack, rejected on worker loss, not turned
+    into a Celery retry): a task that changes that is warned about; one that keeps LockedTask's
+    defaults is not."""
+
+    @celery_app.task(base=LockedTask, bind=True, name="t.early", **{option: value})
+    def early(self: Any, x: int) -> int:
+        return x
+
+    @celery_app.task(base=LockedTask, bind=True, name="t.late")
+    def late(self: Any, x: int) -> int:
+        return x
+
+    found = [w for w in checks.warn_at_startup(celery_app, {}) if " contradicts LockedTask" in w]
+    assert len(found) == 1, found
+    assert found[0].startswith(f"t.early: {option}={value} contradicts LockedTask's delivery")

@@ -320,3 +320,41 @@ def test_a_thread_that_could_not_start_is_started_by_the_next_lease(
     finally:
         heartbeat.stop()
         store.client.close()
+
+
+def test_an_unexpected_error_in_a_beat_is_logged_and_the_next_beat_extends(
+    lock_url: str,
+    lock_redis: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The heartbeat never dies silently: a beat that raises is logged, and the loop goes on."""
+    store = LockStore.from_url(lock_url)
+    heartbeat = Heartbeat()
+    lease = _granted(store, "beaten", 2_000)
+    extend_all = store.extend_all
+    calls: list[int] = []
+
+    def fails_once(leases: list[Lease]) -> list[bool]:
+        calls.append(len(leases))
+        if len(calls) == 1:
+            raise RuntimeError("a bug in a beat")
+        return extend_all(leases)
+
+    monkeypatch.setattr(store, "extend_all", fails_once)
+    lock_redis.pexpire(lease.keys.lock, 1_000)  # extended back to 2 s only by a later beat
+    try:
+        with caplog.at_level("ERROR", logger="celery_lock.heartbeat"):
+            heartbeat.add(lease, 0.1)
+            deadline = time.monotonic() + 10
+            while len(calls) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.05)
+    finally:
+        heartbeat.stop()
+        store.client.close()
+    assert len(calls) >= 2, "the heartbeat stopped beating after an unexpected error"
+    assert lock_redis.pttl(lease.keys.lock) > 1_000
+    assert not lease.lost
+    assert "heartbeat failed; trying again next interval" in caplog.text
+    assert "a bug in a beat" in caplog.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -138,7 +139,8 @@ def test_extend_all_resets_ttls_in_one_round_trip(lock_url: str, lock_redis: red
     before = command_calls(lock_redis)
     assert store.extend_all([lease_for(store, token, 1), stale]) == [True, False]
     calls = command_calls(lock_redis) - before
-    assert lock_redis.pttl(KEYS.lock) > 3_000  # reset to the TTL (5 s), not left at 2
+    # Set to the TTL (5 s): not left at 2 s, nor added to what was left (7 s).
+    assert 3_000 < lock_redis.pttl(KEYS.lock) <= 5_000
     # One EVALSHA per lease and nothing else: no SCRIPT EXISTS before the pipeline.
     assert calls["evalsha"] == 2
     assert calls["script|exists"] == 0
@@ -320,3 +322,26 @@ def test_more_calls_in_flight_than_redis_py_8s_default_pool_of_100_are_all_serve
     finally:
         store.client.close()
     assert outcomes == Counter({"Acquired": calls})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known deviation (docs/semantics.md, 'Fences for ever'): the fence counter lapses "
+    "after a lease TTL plus the longer of the lease and done TTLs without a grant or beat, and "
+    "the next grant starts again at 1, while DESIGN.md promises fences strictly increasing per "
+    "request",
+)
+def test_fences_of_one_request_keep_increasing_after_a_quiet_spell(lock_url: str) -> None:
+    store = LockStore.from_url(lock_url)
+    fences = []
+    for _ in range(2):
+        token = new_token()
+        outcome = store.acquire(KEYS, token, 100, HOLDER, 200)
+        assert isinstance(outcome, Acquired)
+        fences.append(outcome.fence)
+        store.release(lease_for(store, token, outcome.fence), success=False, done_ttl_ms=100)
+    time.sleep(0.4)  # longer than the counter's TTL: the request was quiet for a while
+    outcome = store.acquire(KEYS, new_token(), 100, HOLDER, 200)
+    store.client.close()
+    assert isinstance(outcome, Acquired)
+    assert outcome.fence > fences[-1], f"fence went back from {fences[-1]} to {outcome.fence}"

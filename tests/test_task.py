@@ -942,3 +942,54 @@ def test_a_retry_keeps_the_callers_argsrepr_and_kwargsrepr(
         before_task_publish.disconnect(on_publish)
     _, retried = published
     assert (retried["argsrepr"], retried["kwargsrepr"]) == ("(<order>,)", "{...}")
+
+
+def test_check_lock_raises_once_a_whole_ttl_passed_unconfirmed(celery_app: Celery) -> None:
+    """A body that resumes after a pause longer than its lease finds out at its next
+    check_lock(), before the heartbeat has had a chance to beat and mark the lease lost."""
+
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.paused",
+                     lock_ttl=0.6)  # fmt: skip
+    def paused(self: Any, request_idx: int) -> str:
+        lease = self.request.lock_lease
+        get_runtime(self.app).heartbeat.discard(lease)  # no beat while "paused"
+        time.sleep(0.7)  # past the TTL, with no confirmation since the grant
+        assert self.request.lock_lost is False  # nobody has told the body yet
+        try:
+            self.check_lock()
+        except LockLostError:
+            return "lost"
+        return "still held"
+
+    assert paused(7) == "lost"
+
+
+def test_a_long_deferred_copy_waits_no_longer_than_the_holders_lease(
+    worker: Any, tasks: dict[str, Any], store: LockStore, lock_redis: redis.Redis
+) -> None:
+    """After ten deferrals the backoff alone is 512 s: the holder's remaining lease (2 s here)
+    caps it, give or take the jitter, so the copy is not kept waiting after the holder ends."""
+    deferred: list[float] = []
+
+    def on_deferred(sender: Any, countdown: float, **_: Any) -> None:
+        deferred.append(countdown)
+
+    lease = hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
+    lock_redis.pexpire(lease.keys.lock, 2000)
+    signals.lock_deferred.connect(on_deferred, weak=False)
+    try:
+        result = tasks["stage"].apply_async((7,), headers={DEFERRALS_HEADER: 10})
+        wait_for("the copy to be deferred", lambda: deferred, TIMEOUT)
+        store.release(lease, success=False, done_ttl_ms=60_000)
+        assert result.get(timeout=TIMEOUT) == "stage"
+    finally:
+        signals.lock_deferred.disconnect(on_deferred)
+    assert 0 < deferred[0] <= 2.0 * 1.2
+
+
+@pytest.mark.parametrize("pttl_ms", [0, 600_000], ids=["store-down", "ten-minute-lease"])
+def test_a_long_deferred_copy_waits_at_most_a_minute(pttl_ms: int) -> None:
+    """After ten deferrals the backoff alone is 512 s: with no lease to bound it (the store was
+    down) or a holder's lease longer than that, DEFER_MAX_DELAY does, give or take the jitter."""
+    delays = [LockedTask._defer_delay(10, pttl_ms) for _ in range(50)]
+    assert all(0.8 * 60 <= d <= 1.2 * 60 for d in delays), delays
