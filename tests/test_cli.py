@@ -681,7 +681,7 @@ def test_forget_keeps_the_fence_counter_as_long_as_the_done_marker(
     time.sleep(1.5)  # and a while more before the body returns
     assert store.release(lease, success=True, done_ttl_ms=settings.done_ttl_ms)
     # Past the beat's max(done TTL, lease TTL), 1.2 s before the marker lapses.
-    time.sleep(beat + 4.3 - time.monotonic())
+    time.sleep(max(0.0, beat + 4.3 - time.monotonic()))
     done = celery_lock_cli(worker_env, "forget", "storm.process:6")
     assert done.stdout.strip() == f"forgot {keys.done}", done.stderr
     next_holder = Holder("task-2", "storm.process", "h", 1)
