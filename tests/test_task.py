@@ -859,9 +859,9 @@ def test_a_task_calling_itself_from_its_body_keeps_its_own_lease(
     assert lock_redis.get(walk.request_keys((0,), {}).done) == result.id.encode()
 
 
-def test_a_body_that_retries_starts_its_deferral_count_afresh(
-    worker: Any, tasks: dict[str, Any], calls: Calls
-) -> None:
+def flaky_headers(tasks: dict[str, Any], **options: Any) -> list[dict[str, Any]]:
+    """The headers of each message of ``t.flaky`` for request 7, sent with ``options``: the
+    first, then its body's retry, which succeeds."""
     published: list[dict[str, Any]] = []
 
     def on_publish(headers: dict[str, Any], **_: Any) -> None:
@@ -870,13 +870,19 @@ def test_a_body_that_retries_starts_its_deferral_count_afresh(
 
     before_task_publish.connect(on_publish, weak=False)
     try:
-        # As a copy deferred five times while another held the request, then granted.
-        result = tasks["flaky"].apply_async((7,), headers={DEFERRALS_HEADER: 5})
+        result = tasks["flaky"].apply_async((7,), **options)
         assert result.get(timeout=TIMEOUT) == "second time lucky"
     finally:
         before_task_publish.disconnect(on_publish)
+    return published
+
+
+def test_a_body_that_retries_starts_its_deferral_count_afresh(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    # As a copy deferred five times while another held the request, then granted.
+    first, retried = flaky_headers(tasks, headers={DEFERRALS_HEADER: 5})
     assert [call["retries"] for call in calls.seen] == [0, 1]
-    first, retried = published
     assert first[DEFERRALS_HEADER] == 5
     assert DEFERRALS_HEADER not in retried
 
@@ -928,19 +934,7 @@ def test_a_retry_keeps_the_callers_argsrepr_and_kwargsrepr(
 ) -> None:
     # docs/monitoring.md: argsrepr and kwargsrepr keep the arguments out of events and Flower.
     # Celery's retry copies the request without them: the retry's task-received showed them.
-    published: list[dict[str, Any]] = []
-
-    def on_publish(headers: dict[str, Any], **_: Any) -> None:
-        if headers.get("task") == "t.flaky":
-            published.append(headers)
-
-    before_task_publish.connect(on_publish, weak=False)
-    try:
-        result = tasks["flaky"].apply_async((7,), argsrepr="(<order>,)", kwargsrepr="{...}")
-        assert result.get(timeout=TIMEOUT) == "second time lucky"
-    finally:
-        before_task_publish.disconnect(on_publish)
-    _, retried = published
+    _, retried = flaky_headers(tasks, argsrepr="(<order>,)", kwargsrepr="{...}")
     assert (retried["argsrepr"], retried["kwargsrepr"]) == ("(<order>,)", "{...}")
 
 
