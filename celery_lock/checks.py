@@ -92,32 +92,31 @@ def settings_warnings(app: Celery, name: str, settings: LockSettings) -> list[st
     return found
 
 
-#: The delivery defaults LockedTask sets, and what a task that changes one loses.
-_DELIVERY_DEFAULTS: dict[str, tuple[bool, str]] = {
-    "acks_late": (
-        True,
-        "its message is acked before the body runs, so a holder killed mid-run takes its "
-        "request with it",
-    ),
-    "reject_on_worker_lost": (
-        True,
-        "a killed holder's message is not brought back, so its request never runs",
-    ),
-    "retry_on_worker_lost": (
-        False,
-        "a killed holder's message becomes a Celery retry, counted against max_retries",
-    ),
+#: The delivery options LockedTask sets, and what a task that changes one loses.
+_DELIVERY_COSTS: dict[str, str] = {
+    "acks_late": "its message is acked before the body runs, so a holder killed mid-run takes "
+    "its request with it",
+    "reject_on_worker_lost": "a killed holder's message is not brought back, so its request "
+    "never runs",
+    "retry_on_worker_lost": "a killed holder's message becomes a Celery retry, counted against "
+    "max_retries",
 }
 
 
 def delivery_warnings(task: Any) -> list[str]:
     """Which delivery defaults of :class:`~celery_lock.LockedTask` ``task`` changes (a task
     option, a subclass or ``task_annotations``)."""
-    return [
-        f"{task.name}: {option}={not default} contradicts LockedTask's delivery default: {cost}"
-        for option, (default, cost) in _DELIVERY_DEFAULTS.items()
-        if bool(getattr(task, option, default)) != default
-    ]
+    from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
+
+    found = []
+    for option, cost in _DELIVERY_COSTS.items():
+        default = bool(getattr(LockedTask, option))
+        if bool(getattr(task, option, default)) != default:
+            found.append(
+                f"{task.name}: {option}={not default} contradicts LockedTask's delivery "
+                f"default: {cost}"
+            )
+    return found
 
 
 def green_heartbeat_warnings() -> list[str]:

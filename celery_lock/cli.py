@@ -144,6 +144,10 @@ class LockAdmin:
                 seen.add(text)
                 yield text
 
+    def done_keys(self, tag: str) -> list[str]:
+        """The done-marker keys of the request ``tag`` names, of every task of its scope."""
+        return list(self.scan(f"{_escape(f'{tag}:done:')}*"))
+
     def leases(self, keys: list[str]) -> list[LeaseInfo]:
         """Read the leases under ``keys`` in one pipelined round trip per batch."""
         return [lease for lease, _ in self._read(keys) if lease is not None]
@@ -210,7 +214,7 @@ class LockAdmin:
         tag = self.tag(key)
         leases = self.leases([key])
         done_prefix = f"{tag}:done:"
-        done_keys = list(self.scan(f"{_escape(done_prefix)}*"))
+        done_keys = self.done_keys(tag)
         pipe = self.client.pipeline(transaction=False)
         for string_key in [f"{tag}:fence", *done_keys]:
             pipe.get(string_key)
@@ -263,7 +267,7 @@ class LockAdmin:
             # One marker, known by its key: no scan. A done-marker key as pasted (from a
             # LockStateError) is that task's marker only, not every stage's of the request.
             return done_key, [done_key] if self.client.delete(done_key) else []
-        keys = list(self.scan(f"{_escape(tag)}:done:*"))
+        keys = self.done_keys(tag)
         if not keys:
             return None, []
         # One DEL per key, in one round trip: a marker that expired since the SCAN found it

@@ -517,10 +517,8 @@ class KeyDeriver:
         # (``kind.value``) fails here, at publish, not on the worker for every copy; and a
         # direct or eager call keys the request as the worker does.
         try:
-            received = [v if type(v) in _AS_SENT else _as_received(v) for v in args]
-            received_kwargs = {
-                k: v if type(v) in _AS_SENT else _as_received(v) for k, v in kwargs.items()
-            }
+            received = _as_received(list(args))
+            received_kwargs = _as_received(dict(kwargs))
         except RecursionError as exc:
             raise LockKeyError(
                 "cannot derive the request key: an argument holds itself or is nested too deeply",

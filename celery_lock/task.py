@@ -149,6 +149,17 @@ def _run_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
     return signature.replace(parameters=parameters)
 
 
+def _shown_arguments(request: Any) -> dict[str, Any]:
+    """What the caller showed of the arguments instead of them (``argsrepr``, ``kwargsrepr``),
+    for a copy of ``request``: Celery's copy of a request leaves them out, and the copy's
+    events (and Flower) would show the arguments they hide."""
+    return {
+        shown: value
+        for shown in ("argsrepr", "kwargsrepr")
+        if (value := getattr(request, shown, None)) is not None
+    }
+
+
 def _ignores_result(task: Task[Any, Any], request: Any) -> bool:
     """Whether Celery stores no result for this call, as it decides for the call's own result:
     since Celery 5.6.3 a call's ``ignore_result`` (every message carries one) overrides the
@@ -561,9 +572,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if not eta and countdown and delay != countdown and "countdown" not in positional:
             kwargs["countdown"] = delay  # rounded up to whole seconds
         if given.get("args") is None and given.get("kwargs") is None:
-            for shown in ("argsrepr", "kwargsrepr"):
-                if shown not in kwargs and getattr(request, shown, None) is not None:
-                    kwargs[shown] = getattr(request, shown)
+            for name, value in _shown_arguments(request).items():
+                kwargs.setdefault(name, value)
 
     def _note_retry_sent(self) -> None:
         request = self.request
@@ -715,11 +725,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         deferrals = int(headers.get(DEFERRALS_HEADER) or getattr(request, DEFERRALS_HEADER, 0) or 0)
         headers[DEFERRALS_HEADER] = deferrals + 1
         countdown, options = copy_delivery(self.app, request, self._defer_delay(deferrals, pttl_ms))
-        # What the caller showed of the arguments (argsrepr, kwargsrepr) instead of them:
-        # Celery's copy of a request leaves them out, and events and Flower would show them.
-        for shown in ("argsrepr", "kwargsrepr"):
-            if getattr(request, shown, None) is not None:
-                options[shown] = getattr(request, shown)
+        options.update(_shown_arguments(request))
         if reason == "redelivered":
             # A copy of a message already running (or whose holder died) waits for its
             # outcome: accepted before it expired, it must not expire while it waits, which
