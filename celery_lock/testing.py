@@ -1,9 +1,17 @@
-"""Helpers for tests: a throwaway ``redis-server``, a real Celery worker, an event tap.
+"""Helpers for tests: a throwaway ``redis-server``, a real Celery worker, an event tap, a lease
+held by "another copy", and a reset of what celery-lock keeps per app.
 
 Every wait is bounded and every process is cleaned up by pid (the worker by process group)::
 
     with RedisServer() as server, CeleryWorker("proj.app", env={"BROKER": server.url}):
         ...
+
+In-process tests (eager calls, ``celery.contrib.pytest``'s ``celery_app``)::
+
+    with hold(process, (7,), task_id="pending-id", task_name="shop.pending"):
+        with pytest.raises(LockContendedError):
+            process(7)
+    reset_runtime(app)  # stop the app's heartbeat thread, close its lock store clients
 """
 
 from __future__ import annotations
@@ -21,15 +29,33 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-__all__ = ["CeleryWorker", "EventTap", "RedisServer", "find_redis_server", "free_port"]
+from .keys import RequestKeys
+from .lease import Acquired, Holder, Lease, new_token
+from .runtime import lock_store_url, reset_runtime
+from .store import LockStore
+
+if TYPE_CHECKING:
+    from .task import LockedTask
+
+__all__ = [
+    "CeleryWorker",
+    "EventTap",
+    "RedisServer",
+    "find_redis_server",
+    "free_port",
+    "hold",
+    "reset_runtime",
+]
 
 _READY = re.compile(r"\S+@\S+ ready\.")
 
@@ -64,10 +90,59 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@contextlib.contextmanager
+def hold(
+    task: LockedTask,
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    task_id: str = "held-by-a-test",
+    task_name: str | None = None,
+    ttl: float | None = None,
+) -> Iterator[Lease]:
+    """Hold the lease of the request that ``task`` called with ``args`` and ``kwargs`` works
+    on, as another copy of it would (another task id), or, given ``task_name``, another task
+    of its scope; on exit, release it without a done-marker.
+
+    The lease is taken on a lock store client of its own (closed on exit), in the task's lock
+    store, with the task's key prefix and lease TTL, or ``ttl`` seconds. No heartbeat extends
+    it: a ``with`` block longer than the TTL ends holding nothing.
+
+    Raises:
+        RuntimeError: The request is not free: a lease is held, or it is done for the holder's
+            task name.
+    """
+    settings = task.lock_settings()
+    name = task_name or task.name
+    own = task.request_keys(tuple(args), dict(kwargs or {}))
+    keys = own if name == task.name else RequestKeys.of_lock(own.lock, name)
+    ttl_ms = settings.ttl_ms if ttl is None else int(ttl * 1000)
+    store = LockStore.from_url(lock_store_url(task.app, settings))
+    try:
+        holder = Holder(task_id=task_id, task_name=name, host="celery-lock-test", pid=os.getpid())
+        token = new_token()
+        fence_ttl_ms = ttl_ms + max(ttl_ms, settings.done_ttl_ms)
+        outcome = store.acquire(keys, token, ttl_ms, holder, fence_ttl_ms)
+        if not isinstance(outcome, Acquired):
+            raise RuntimeError(f"cannot hold {keys.lock}: {outcome}")
+        lease = Lease(store, keys, token, ttl_ms, outcome.fence, holder, fence_ttl_ms)
+        try:
+            yield lease
+        finally:
+            store.release(lease, success=False, done_ttl_ms=settings.done_ttl_ms)
+    finally:
+        store.client.close()
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     return "<no log>"
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
 
 
 def _signal(pid: int, sig: signal.Signals, *, group: bool = False) -> None:
@@ -281,6 +356,8 @@ class CeleryWorker:
         if logfile is None:
             fd, logfile = tempfile.mkstemp(prefix="celery-lock-worker-", suffix=".log")
             os.close(fd)
+            # Readable for as long as the object lives (after stop() too); then deleted.
+            weakref.finalize(self, _remove, logfile)
         self.logfile = Path(logfile)
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -377,10 +454,12 @@ class EventTap:
     """Collects the events of the given types (``"task-skipped"``...) that reach ``app``'s
     broker while the ``with`` block runs, in a thread of its own.
 
-    ``__enter__`` returns once the tap has received a probe event of its own (bounded by
-    ``ready_timeout``), so every event sent after it is seen, whatever the broker: a Redis
-    broker subscribes a consumer only once it first polls, after its queue is declared.
-    ``__exit__`` stops the thread and closes the connection.
+    ``__enter__`` empties :attr:`events` and returns once the tap has received a probe event of
+    its own (bounded by ``ready_timeout``), so every event sent after it is seen, whatever the
+    broker: a Redis broker subscribes a consumer only once it first polls, after its queue is
+    declared. The probes go out on a connection of the tap's own, not through the app's
+    producer pool. ``__exit__`` stops the thread and closes the connections; a tap may be
+    entered again after that.
     """
 
     #: The type of the events the tap sends itself until one comes back.
@@ -393,30 +472,51 @@ class EventTap:
         self.events = []
         self.ready_timeout = ready_timeout
         self._app = app
+        self._types = types
         self._ready = threading.Event()
-        handlers = {kind: self.events.append for kind in types}
-        handlers[self.PROBE] = lambda event: self._ready.set()
-        self._connection = app.connection_for_read()
-        self._receiver = app.events.Receiver(self._connection, handlers=handlers)
-        self._thread = threading.Thread(target=self._run, name="event-tap", daemon=True)
+        self._connection: Any = None
+        self._receiver: Any = None
+        self._thread: threading.Thread | None = None
+
+    def _collect(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
 
     def _run(self) -> None:
         for _ in self._receiver.itercapture(limit=None, timeout=None, wakeup=False):
             pass  # the handlers collect; this only drains until should_stop
 
     def __enter__(self) -> EventTap:
+        if self._thread is not None:
+            raise RuntimeError("the event tap is running already")
+        self.events = []
+        self._ready = threading.Event()
+        handlers: dict[str, Any] = {kind: self._collect for kind in self._types}
+        handlers[self.PROBE] = lambda event: self._ready.set()
+        self._connection = self._app.connection_for_read()
+        self._receiver = self._app.events.Receiver(self._connection, handlers=handlers)
+        self._thread = threading.Thread(target=self._run, name="event-tap", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + self.ready_timeout
-        with self._app.events.default_dispatcher() as dispatcher:
-            while not self._ready.is_set():
-                if time.monotonic() >= deadline or not self._thread.is_alive():
-                    self.__exit__()
-                    raise RuntimeError(f"event tap not ready after {self.ready_timeout}s")
-                dispatcher.send(self.PROBE)
-                self._ready.wait(0.1)
+        try:
+            with (
+                self._app.connection_for_write() as connection,
+                self._app.events.Dispatcher(connection, enabled=True) as dispatcher,
+            ):
+                while not self._ready.is_set():
+                    if time.monotonic() >= deadline or not self._thread.is_alive():
+                        raise RuntimeError(f"event tap not ready after {self.ready_timeout}s")
+                    dispatcher.send(self.PROBE)
+                    self._ready.wait(0.1)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._receiver.should_stop = True
-        self._thread.join(10)
-        self._connection.close()
+        if self._receiver is not None:
+            self._receiver.should_stop = True
+        if self._thread is not None:
+            self._thread.join(10)
+        if self._connection is not None:
+            self._connection.close()
+        self._connection = self._receiver = self._thread = None

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections import ChainMap
 from collections.abc import Mapping
 from typing import Any
 
 import click
 from celery import Celery, bootsteps
+from celery import _state as celery_state
 from celery.app import utils as celery_app_utils
 from celery.signals import worker_process_init, worker_process_shutdown
 
@@ -195,15 +197,27 @@ def install(app: Celery) -> Celery:
     app.user_options["worker"].update(_worker_options())
     app.steps["worker"].add(LockStep)
 
+    # The receivers are the process's, but the signals do not say which app's worker sent
+    # them: they hold the app weakly and leave alone an app that was closed (a test's app,
+    # closed by its fixture). Held strongly, every app a test suite installed would live for
+    # ever, and each later in-process worker would start a heartbeat thread for each of them
+    # that nothing stops.
+    app_ref = weakref.ref(app)
+
     def start_heartbeat(**_: Any) -> None:
-        get_runtime(app).heartbeat.start()
+        running = app_ref()
+        if running is not None and _is_open(running):
+            get_runtime(running).heartbeat.start()
 
     def stop_heartbeat(**_: Any) -> None:
         # A body cut short (revoke(terminate=True), a shutdown that stops waiting) releases its
         # lease in LockedTask's finally: billiard turns SIGTERM into an exception in pool
         # processes. Anything still held is handed back here, so a message that comes back
         # (shutdown, late ack) runs at once rather than after a TTL.
-        heartbeat = get_runtime(app).heartbeat
+        running = app_ref()
+        if running is None:
+            return
+        heartbeat = get_runtime(running).heartbeat
         heartbeat.hand_back()
         heartbeat.stop()
         wait_for_events_apart(5.0)  # a task-lock-lost still on its way
@@ -211,7 +225,20 @@ def install(app: Celery) -> Celery:
     uid = f"celery-lock-{id(app)}"
     worker_process_init.connect(start_heartbeat, weak=False, dispatch_uid=f"{uid}-init")
     worker_process_shutdown.connect(stop_heartbeat, weak=False, dispatch_uid=f"{uid}-shutdown")
+    # Once the app is gone its id may name a new app, whose receivers a dispatch_uid still
+    # registered would keep out.
+    weakref.finalize(app, _disconnect, uid)
     return app
+
+
+def _disconnect(uid: str) -> None:
+    worker_process_init.disconnect(dispatch_uid=f"{uid}-init")
+    worker_process_shutdown.disconnect(dispatch_uid=f"{uid}-shutdown")
+
+
+def _is_open(app: Celery) -> bool:
+    """Whether ``app`` has not been closed (``Celery.close`` deregisters it)."""
+    return app in celery_state._get_active_apps()  # type: ignore[attr-defined]
 
 
 def _hide_lock_store_url_in_reports() -> None:

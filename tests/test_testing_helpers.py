@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from celery.signals import worker_process_init
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from celery_lock import LockContendedError, LockedTask, follow, install, is_skipped
+from celery_lock.runtime import get_runtime
 from celery_lock.testing import (
     CeleryWorker,
     EventTap,
     RedisServer,
     find_redis_server,
     free_port,
+    hold,
+    reset_runtime,
 )
 
 HELPER_APPS = Path(__file__).parent / "helper_apps"
@@ -252,6 +261,21 @@ def test_celery_worker_needs_info_logging() -> None:
         CeleryWorker("helper_apps.echo_app", loglevel="WARNING")
 
 
+def test_celery_worker_deletes_the_log_file_it_made_once_it_is_gone(tmp_path: Path) -> None:
+    worker = CeleryWorker("helper_apps.echo_app")
+    made = worker.logfile
+    assert made.is_file()
+    del worker
+    gc.collect()
+    assert not made.exists()
+    given = tmp_path / "kept.log"
+    given.touch()
+    worker = CeleryWorker("helper_apps.echo_app", logfile=given)
+    del worker
+    gc.collect()
+    assert given.exists()  # a log the caller named is the caller's
+
+
 # -- EventTap ------------------------------------------------------------------------------
 
 
@@ -276,3 +300,169 @@ def test_event_tap_is_ready_with_no_worker_and_sees_the_next_event(broker_url: s
         assert [(e["type"], e["uuid"]) for e in tap.events] == [("task-skipped", "copy-id")]
     finally:
         app.close()
+
+
+def test_event_tap_can_be_entered_again_and_leaves_no_connection_behind(
+    server: RedisServer,
+) -> None:
+    app = Celery("tap-twice", broker=server.url_for(5), set_as_current=False)
+    tap = EventTap(app, "task-skipped", ready_timeout=5)
+    try:
+        for copy in ("first", "second"):
+            with tap:
+                with app.events.default_dispatcher() as dispatcher:
+                    dispatcher.send("task-skipped", uuid=copy)
+                deadline = time.monotonic() + 10
+                while not tap.events and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            assert [e["uuid"] for e in tap.events] == [copy]  # each block collects afresh
+        app.pool.force_close_all()  # the test's own sends went through the app's pool
+        assert not [t for t in threading.enumerate() if t.name == "event-tap"]
+        with server.client() as admin:
+            assert [c for c in admin.client_list() if c["db"] == "5"] == []
+    finally:
+        app.close()
+
+
+# -- hold, reset_runtime: in-process tests -------------------------------------------------
+
+
+@pytest.fixture
+def locked_app(server: RedisServer) -> Iterator[Celery]:
+    """An eager app with LockedTasks, its lock store on a server of the test's own."""
+    app = Celery("held", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.celery_lock_redis_url = server.url_for(2)
+    app.conf.task_always_eager = True
+
+    # shared=False: a shared task is added to every app created later in the process.
+    options = {"base": LockedTask, "bind": True, "lock_key": "idx", "lock_scope": "req"}
+
+    @app.task(**options, name="held.process", shared=False)
+    def process(self: Any, idx: int) -> int | None:
+        return self.request.lock_fence
+
+    @app.task(**options, name="held.pending", shared=False)
+    def pending(self: Any, idx: int) -> int | None:
+        return self.request.lock_fence
+
+    yield app
+    reset_runtime(app)
+    app.close()
+
+
+def clients_of(server: RedisServer, db: int = 2) -> set[str]:
+    """The ids of the clients connected to database ``db`` of ``server`` (this one's aside)."""
+    with server.client(db) as admin:
+        own = admin.client_id()
+        return {c["id"] for c in admin.client_list() if c["db"] == str(db)} - {str(own)}
+
+
+def heartbeat_thread(app: Celery) -> threading.Thread | None:
+    return get_runtime(app).heartbeat._thread
+
+
+def test_hold_makes_a_copy_skip_and_another_stage_contend(
+    locked_app: Celery, server: RedisServer
+) -> None:
+    process, pending = locked_app.tasks["held.process"], locked_app.tasks["held.pending"]
+    with hold(process, (7,), task_id="copy-id") as lease:
+        assert lease.fence == 1
+        skipped = process(7)
+        assert is_skipped(skipped)
+        assert (skipped["reason"], skipped["holder"]) == ("running", "copy-id")
+        with pytest.raises(LockContendedError, match="copy-id"):
+            pending(7)  # another task of the scope: contention, not a duplicate
+    with hold(process, (8,), task_id="pending-id", task_name="held.pending") as lease:
+        with pytest.raises(LockContendedError, match="pending-id"):
+            process(8)
+        assert lease.keys.done.endswith(":done:held.pending")
+    # Released without a done-marker: both requests run now, with the next fence.
+    assert process.delay(7).get() == 2
+    assert process(8) == 2
+    reset_runtime(locked_app)
+    assert clients_of(server) == set()  # hold closed its client too
+
+
+def test_hold_refuses_a_request_that_is_not_free(locked_app: Celery) -> None:
+    process = locked_app.tasks["held.process"]
+    assert process(9) == 1
+    with pytest.raises(RuntimeError, match="cannot hold"), hold(process, (9,)):
+        pass  # done for held.process
+    with (
+        hold(process, (10,)),
+        pytest.raises(RuntimeError, match="cannot hold"),
+        hold(process, (10,), task_id="a-third-copy"),
+    ):
+        pass  # held by the first
+
+
+def test_hold_with_a_short_ttl_lapses(locked_app: Celery) -> None:
+    process = locked_app.tasks["held.process"]
+    with hold(process, kwargs={"idx": 11}, ttl=0.2):
+        time.sleep(0.4)  # no heartbeat extends it
+        assert process(11) == 2
+
+
+def test_reset_runtime_stops_the_heartbeat_and_closes_the_lock_store(
+    locked_app: Celery, server: RedisServer
+) -> None:
+    process = locked_app.tasks["held.process"]
+    assert process.delay(12).get() == 1
+    thread = heartbeat_thread(locked_app)
+    assert thread is not None
+    assert thread.is_alive()
+    assert clients_of(server)
+    reset_runtime(locked_app)
+    assert not thread.is_alive()
+    assert clients_of(server) == set()
+    assert process.delay(13).get() == 1  # the next call builds the runtime anew
+
+
+def test_the_celery_app_fixture_with_an_in_process_worker_leaves_nothing_running(
+    celery_app: Celery, redis_server: RedisServer
+) -> None:
+    """celery.contrib.pytest's app and worker, as docs/testing.md overrides them."""
+
+    @celery_app.task(base=LockedTask, bind=True, lock_key="idx", name="fixture.process")
+    def process(self: Any, idx: int) -> int | None:
+        return self.request.lock_fence
+
+    before = clients_of(redis_server)  # the session's lock store: other tests' clients too
+    with start_worker(celery_app, pool="solo", perform_ping_check=False):
+        first = process.delay(1)
+        assert first.get(timeout=20) == 1
+        assert follow(process.delay(1), timeout=20) == 1  # skipped as done, followed to first
+    thread = heartbeat_thread(celery_app)
+    assert thread is not None
+    reset_runtime(celery_app)
+    assert not thread.is_alive()
+    assert clients_of(redis_server) <= before
+
+
+def process_init_receiver(app: Celery) -> Any:
+    """celery-lock's ``worker_process_init`` receiver for ``app``, or ``None``."""
+    uid = f"celery-lock-{id(app)}-init"
+    found = [receiver for key, receiver in worker_process_init.receivers if key[0] == uid]
+    return found[0] if found else None
+
+
+def test_a_closed_app_gets_no_heartbeat_from_a_later_worker(locked_app: Celery) -> None:
+    """Several apps in one process (a test suite): a later worker's process init starts the
+    heartbeat of the apps that are open, not of every app ever installed, and the receivers of
+    an app that is gone are disconnected."""
+    assert locked_app.tasks  # finalized: its tasks bound, which installs celery-lock
+    old = Celery("closed", broker="memory://", set_as_current=False)
+    install(old)
+    old.close()
+    for each in (locked_app, old):  # what worker_process_init.send() runs, for these two only
+        process_init_receiver(each)(sender="celery@test")
+    try:
+        assert get_runtime(locked_app).heartbeat.running
+        assert not get_runtime(old).heartbeat.running
+    finally:
+        reset_runtime(old)
+    old_id = id(old)
+    del old, each
+    gc.collect()
+    uid = f"celery-lock-{old_id}-init"
+    assert not [key for key, _ in worker_process_init.receivers if key[0] == uid]
