@@ -758,6 +758,10 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "site" / "index.html").is_file()
+    # The changelog page is CHANGELOG.md itself (docs/changelog.md links to it), not a stub.
+    changelog = (tmp_path / "site" / "changelog" / "index.html").read_text()
+    assert "Keep a Changelog" in changelog
+    assert "[Unreleased]" in changelog
 
 
 def test_every_page_is_in_the_nav() -> None:
