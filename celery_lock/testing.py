@@ -360,6 +360,7 @@ class CeleryWorker:
             weakref.finalize(self, _remove, logfile)
         self.logfile = Path(logfile)
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started = False
 
     @property
     def pid(self) -> int | None:
@@ -367,8 +368,14 @@ class CeleryWorker:
         return self._proc.pid if self._proc is not None else None
 
     def log(self) -> str:
-        """Return everything the worker has written so far."""
+        """Return everything the worker has written so far (in every run, if restarted)."""
         return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
+
+    def _log_since(self, offset: int) -> str:
+        with contextlib.suppress(OSError), self.logfile.open("rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+        return ""
 
     def start(self, timeout: float = 30.0) -> None:
         """Start the worker and wait until it logs ``<hostname> ready.``.
@@ -380,13 +387,17 @@ class CeleryWorker:
         if self._proc is not None and self._proc.poll() is None:
             return
         self.stop()  # sweep the group of a worker that died on its own
-        with self.logfile.open("wb") as out:
+        # The first start empties the log; a restart adds to it, so that log() keeps what the
+        # earlier runs wrote, and readiness is read from what this run writes.
+        offset = self.logfile.stat().st_size if self._started and self.logfile.exists() else 0
+        with self.logfile.open("ab" if offset else "wb") as out:
             self._proc = subprocess.Popen(
                 self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=self.env, cwd=self.cwd, start_new_session=True,
             )  # fmt: skip
+        self._started = True
         deadline = time.monotonic() + timeout
-        while not _READY.search(self.log()):
+        while not _READY.search(self._log_since(offset)):
             if self._proc.poll() is not None:
                 self.kill()
                 raise RuntimeError(f"celery worker exited during startup:\n{_tail(self.logfile)}")

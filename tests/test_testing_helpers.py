@@ -466,3 +466,27 @@ def test_a_closed_app_gets_no_heartbeat_from_a_later_worker(locked_app: Celery) 
     gc.collect()
     uid = f"celery-lock-{old_id}-init"
     assert not [key for key, _ in worker_process_init.receivers if key[0] == uid]
+
+
+@pytest.mark.worker
+def test_a_restarted_celery_worker_keeps_the_earlier_log_and_waits_for_its_own_ready(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    worker = CeleryWorker(
+        "helper_apps.echo_app",
+        concurrency=1,
+        cwd=HELPER_APPS.parent,
+        env={"ECHO_BROKER_URL": server.url},
+        extra_args=["--without-mingle", "--without-gossip"],
+        logfile=tmp_path / "worker.log",
+    )
+    try:
+        worker.start(timeout=60)
+        first = worker.pid
+        worker.stop()
+        worker.start(timeout=60)  # returns on this run's ready line, not the first run's
+        assert worker.pid not in (None, first)
+        assert worker.log().count(" ready.") == 2
+        assert pid_alive(worker.pid)
+    finally:
+        worker.kill()
