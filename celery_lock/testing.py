@@ -150,6 +150,24 @@ def _signal(pid: int, sig: signal.Signals, *, group: bool = False) -> None:
         (os.killpg if group else os.kill)(pid, sig)
 
 
+def _reap(
+    proc: subprocess.Popen[bytes],
+    owner_pid: int,
+    directory: tempfile.TemporaryDirectory[str] | None = None,
+) -> None:
+    """SIGKILL the process group of ``proc`` if it still runs, and delete ``directory``: a
+    helper's safety net, run when the helper is collected, or at interpreter exit, without
+    having been stopped. Not in a forked child, whose copy of the helper owns neither."""
+    if os.getpid() != owner_pid:
+        return
+    if proc.poll() is None:
+        _signal(proc.pid, signal.SIGKILL, group=True)  # its own session: the group is its own
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+    if directory is not None:
+        directory.cleanup()
+
+
 def _terminate(proc: subprocess.Popen[bytes], timeout: float, *, group: bool = False) -> None:
     """SIGTERM ``proc``, wait up to ``timeout``, then SIGKILL it (or its group) and reap it."""
     if proc.poll() is None:
@@ -192,6 +210,7 @@ class RedisServer:
         self.password = args[args.index("--requirepass") + 1] if "--requirepass" in args else None
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._reaper: weakref.finalize[Any, Any] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -248,6 +267,7 @@ class RedisServer:
                 stderr=early_errors,
                 start_new_session=True,
             )
+        self._reaper = weakref.finalize(self, _reap, self._proc, os.getpid(), self._dir)
         deadline = time.monotonic() + timeout
         with self.client(socket_timeout=0.5, retry=Retry(NoBackoff(), 0)) as probe:
             while True:
@@ -298,6 +318,9 @@ class RedisServer:
     def _cleanup(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             return  # still running: keep its directory
+        if self._reaper is not None:
+            self._reaper.detach()
+            self._reaper = None
         self._proc = None
         if self._dir is not None:
             self._dir.cleanup()
@@ -361,6 +384,7 @@ class CeleryWorker:
         self.logfile = Path(logfile)
         self._proc: subprocess.Popen[bytes] | None = None
         self._started = False
+        self._reaper: weakref.finalize[Any, Any] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -395,6 +419,7 @@ class CeleryWorker:
                 self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=self.env, cwd=self.cwd, start_new_session=True,
             )  # fmt: skip
+        self._reaper = weakref.finalize(self, _reap, self._proc, os.getpid())
         self._started = True
         deadline = time.monotonic() + timeout
         while not _READY.search(self._log_since(offset)):
@@ -410,7 +435,13 @@ class CeleryWorker:
         """Warm shutdown (SIGTERM); after ``timeout`` s SIGKILL the group. Idempotent."""
         if self._proc is not None:
             _terminate(self._proc, timeout, group=True)
-            self._proc = None
+            self._forget()
+
+    def _forget(self) -> None:
+        if self._reaper is not None:
+            self._reaper.detach()
+            self._reaper = None
+        self._proc = None
 
     def send_signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the main worker process only (SIGTERM: warm, SIGQUIT: cold)."""
@@ -432,7 +463,7 @@ class CeleryWorker:
         if self._proc is not None:
             _signal(self._proc.pid, signal.SIGKILL, group=True)
             self._proc.wait(5)
-            self._proc = None
+            self._forget()
 
     def child_pids(self) -> list[int]:
         """Return the pids of the main process's children (the pool processes)."""

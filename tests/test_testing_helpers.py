@@ -7,6 +7,8 @@ import importlib.util
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -138,6 +140,29 @@ def test_redis_server_kill_ends_pid() -> None:
     assert not pid_alive(pid)
 
 
+def test_a_redis_server_left_running_is_killed_once_the_object_is_gone() -> None:
+    srv = RedisServer()
+    srv.start()
+    pid = srv.pid
+    assert pid is not None
+    del srv
+    gc.collect()
+    assert not pid_alive(pid)
+
+
+def test_a_redis_server_left_running_is_killed_at_interpreter_exit(tmp_path: Path) -> None:
+    script = (
+        "from celery_lock.testing import RedisServer\n"
+        "SERVER = RedisServer()\n"  # a module global: alive until the interpreter exits
+        "SERVER.start()\n"
+        "print(SERVER.pid)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert not pid_alive(int(done.stdout))
+
+
 def test_redis_server_restart_keeps_port_and_loses_data(server: RedisServer) -> None:
     port, old_pid = server.port, server.pid
     with server.client() as client:
@@ -244,6 +269,26 @@ def test_celery_worker_runs_tasks_and_stops_cleanly(server: RedisServer, tmp_pat
     finally:
         worker.kill()
         client.close()
+
+
+@pytest.mark.worker
+def test_a_celery_worker_left_running_is_killed_once_the_object_is_gone(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    worker = CeleryWorker(
+        "helper_apps.echo_app",
+        concurrency=1,
+        cwd=HELPER_APPS.parent,
+        env={"ECHO_BROKER_URL": server.url},
+        logfile=tmp_path / "worker.log",
+    )
+    worker.start(timeout=60)
+    pids = [worker.pid, *worker.child_pids()]
+    del worker
+    gc.collect()
+    for pid in pids:
+        assert pid is not None
+        assert not pid_alive(pid), pid
 
 
 @pytest.mark.worker
