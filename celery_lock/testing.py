@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -111,7 +112,10 @@ def hold(
     Raises:
         RuntimeError: The request is not free: a lease is held, or it is done for the holder's
             task name.
+        ValueError: ``ttl`` is not a finite number of seconds, of a millisecond at least.
     """
+    if ttl is not None and not 0.001 <= ttl < math.inf:
+        raise ValueError(f"ttl must be a finite number of seconds, 0.001 or more; got {ttl!r}")
     settings = task.lock_settings()
     name = task_name or task.name
     own = task.request_keys(tuple(args), dict(kwargs or {}))

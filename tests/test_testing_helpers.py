@@ -446,6 +446,9 @@ def test_hold_with_a_short_ttl_lapses(locked_app: Celery) -> None:
     with hold(process, kwargs={"idx": 11}, ttl=0.2):
         time.sleep(0.4)  # no heartbeat extends it
         assert process(11) == 2
+    for ttl in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ttl"), hold(process, (11,), ttl=ttl):
+            pass
 
 
 def test_reset_runtime_stops_the_heartbeat_and_closes_the_lock_store(
