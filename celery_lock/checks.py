@@ -11,29 +11,36 @@
   an evicted lease lets a second copy in while the first still runs;
 * a lock store that cannot be reached (or refuses the user or password, or the connection):
   until it can, tasks are deferred (or fail); a warning, since it may come up later;
+* a lock store whose user may not use the keys under a task's key prefix (a Redis ACL that keeps
+  it to other keys): every acquire would be refused;
 * a worker whose threads gevent or eventlet patched (``-P gevent``, ``-P eventlet``): the
   heartbeat is then a greenlet, which a body that does not yield to the hub holds back;
-* a setting that lost its ``celery_`` prefix (``lock_ttl`` in ``app.conf``), which nothing
-  reads. (Django's ``config_from_object("django.conf:settings", namespace="CELERY")`` shows a
+* a setting that lost its ``celery_`` prefix (``lock_ttl`` in ``app.conf``), or is misspelled
+  (``celery_lock_redis``), which nothing reads. (Django's
+  ``config_from_object("django.conf:settings", namespace="CELERY")`` shows a
   ``CELERY_LOCK_TTL`` setting as ``lock_ttl`` too, but it is read, as ``CELERY_LOCK_TTL``: see
   :meth:`celery_lock.LockSettings.resolve`.)
 
-Each check reads settings, plus one ``CONFIG GET`` on the lock store (the eviction check is
-skipped where the server refuses it, as managed services often do).
+Each check reads settings, plus, on each lock store, one ``CONFIG GET`` (the eviction check is
+skipped where the server refuses it, as managed services often do) and one ``EXISTS`` per key
+prefix.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis
 from celery import Celery
 
 from .config import LockSettings, conf_value
-from .runtime import first_broker_url
+from .exceptions import ConfigurationError
+from .keys import RequestKeys
+from .runtime import first_broker_url, lock_store_url
 from .store import REFUSED_ERRORS, TRANSIENT_ERRORS, LockStore, address_of, reach
 
 __all__ = [
@@ -42,6 +49,7 @@ __all__ = [
     "misnamed_settings",
     "settings_warnings",
     "store_warnings",
+    "unknown_settings",
     "warn_at_startup",
 ]
 
@@ -153,10 +161,28 @@ def misnamed_settings(conf: Mapping[str, Any]) -> list[str]:
     return found
 
 
-def store_warnings(store: LockStore) -> list[str]:
-    """Whether the lock store cannot be reached, or may evict leases; empty if it cannot
-    tell."""
+def unknown_settings(conf: Mapping[str, Any]) -> list[str]:
+    """Keys of ``conf`` named like celery-lock settings (``celery_lock_*``, ``CELERY_LOCK_*``)
+    that are none of them, such as ``celery_lock_redis`` for ``celery_lock_redis_url``: nothing
+    reads them, and the setting meant keeps its default."""
+    known = LockSettings.setting_names()
+    found = []
+    for key in list(conf.keys()):
+        name = str(key).lower()
+        if name.startswith("celery_lock_") and name not in known:
+            meant = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {meant[0]}?)" if meant else ""
+            found.append(
+                f"app.conf has {key}, which is no celery-lock setting, and nothing reads it{hint}"
+            )
+    return found
+
+
+def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
+    """Whether the lock store cannot be reached, may evict leases, or shuts its user out of
+    the keys under one of ``prefixes``; empty if it cannot tell."""
     address = address_of(store.client)
+    found = [warning for prefix in prefixes for warning in _key_permission_warnings(store, prefix)]
     try:
         config: dict[Any, Any] = store.client.config_get("maxmemory*")
     except REFUSED_ERRORS as exc:  # connection errors too: test them first
@@ -180,18 +206,56 @@ def store_warnings(store: LockStore) -> list[str]:
                 f"lock store {address} refused the connection: {_text(exc)}; tasks will fail "
                 "until the lock store URL, or its user's permissions, are fixed"
             ]
-        return []
+        return found
     policy = str(config.get("maxmemory-policy", "noeviction"))
     if int(config.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
-        return [
+        found.append(
             f"the lock store may evict keys (maxmemory-policy {policy}): an evicted lease lets "
             "a second copy run; use maxmemory-policy noeviction"
+        )
+    return found
+
+
+def _key_permission_warnings(store: LockStore, prefix: str) -> list[str]:
+    """Whether the lock store's user may not use the keys of a request under ``prefix`` (a
+    Redis ACL that confines it to other keys, such as a broker user kept to the broker's
+    ``global_keyprefix``): every acquire would be refused. ``EXISTS`` on a request's three
+    keys, which reads them and writes nothing."""
+    keys = RequestKeys.build(prefix, "celery-lock-probe", "probe", "probe")
+    try:
+        store.client.exists(keys.lock, keys.fence, keys.done)
+    except redis.exceptions.NoPermissionError as exc:
+        return [
+            f"lock store {address_of(store.client)} refused its user the keys under "
+            f"{prefix!r}: {_text(exc)}; every task will fail until the user has permission "
+            f"on {prefix}:* (+@read +@write +@scripting)"
         ]
+    except redis.RedisError:
+        return []  # unreachable or refused altogether: the checks below say so
     return []
 
 
 def _text(exc: BaseException) -> str:
     return str(exc).rstrip(".")  # redis-py ends some messages with a full stop; ours go on
+
+
+def _prefixes_by_store(app: Celery) -> dict[str, set[str]]:
+    """The key prefixes the app's tasks use, by the URL of their lock store (the app's
+    settings as a task without options of its own would use them)."""
+    from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
+
+    found: dict[str, set[str]] = {}
+    settings = [LockSettings.resolve(app.conf)]
+    settings += [
+        task.lock_settings() for task in app.tasks.values() if isinstance(task, LockedTask)
+    ]
+    for each in settings:
+        try:
+            url = lock_store_url(app, each)
+        except ConfigurationError:
+            continue  # no store: nothing to check
+        found.setdefault(url, set()).add(each.key_prefix)
+    return found
 
 
 def warn_at_startup(app: Celery, stores: dict[str, LockStore]) -> list[str]:
@@ -206,7 +270,7 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore]) -> list[str]:
     """
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 
-    found: list[str] = misnamed_settings(app.conf) + green_heartbeat_warnings()
+    found = misnamed_settings(app.conf) + unknown_settings(app.conf) + green_heartbeat_warnings()
     found += settings_warnings(app, "celery_lock", LockSettings.resolve(app.conf))
     for task in app.tasks.values():
         if isinstance(task, LockedTask):
@@ -214,8 +278,9 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore]) -> list[str]:
             settings = task.lock_settings()
             if settings != LockSettings.resolve(app.conf):
                 found += settings_warnings(app, task.name, settings)
-    for store in stores.values():
-        found += store_warnings(store)
+    prefixes = _prefixes_by_store(app)
+    for url, store in stores.items():
+        found += store_warnings(store, sorted(prefixes.get(url, ())))
     for message in found:
         logger.warning("celery-lock: %s", message)
     return found

@@ -7,8 +7,9 @@ Precedence, most specific first: task option, worker option (``--lock-ttl``), ``
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from typing import Any, Literal, cast
@@ -23,6 +24,7 @@ __all__ = [
     "DUPLICATE_POLICIES",
     "MAX_SECONDS",
     "LockSettings",
+    "check_option_names",
     "check_value",
     "conf_value",
     "validate_redis_url",
@@ -117,7 +119,8 @@ def _positive_seconds(setting: str, value: Any) -> float:
             value = float(value)
         except (TypeError, ValueError):
             raise ConfigurationError(setting, f"expected seconds, got {value!r}") from None
-    if not math.isfinite(value) or value <= 0:
+    # An int is finite, and one past float range (10**400) would overflow math.isfinite.
+    if not (isinstance(value, int) or math.isfinite(value)) or value <= 0:
         raise ConfigurationError(setting, f"must be a positive number of seconds, got {value!r}")
     if value > MAX_SECONDS:
         raise ConfigurationError(
@@ -277,6 +280,39 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "fail_open": _flag,
     "skip_as_success": _flag,
 }
+
+
+#: Options of the peers that a task moved to ``LockedTask`` may still carry, each with what
+#: stands for it here (docs/comparison.md): read by nothing, they would be dropped unsaid.
+_PEER_OPTIONS = {
+    "once": "celery-once's option; lock_key, lock_ttl and lock_on_duplicate stand for its "
+    "keys, timeout and graceful",
+    "unique_on": "celery-singleton's option; lock_key stands for it",
+    "raise_on_duplicate": "celery-singleton's option; lock_on_duplicate='raise' stands for it",
+    "lock_expiry": "celery-singleton's option; lock_ttl stands for it (renewed by the heartbeat)",
+}
+
+
+def check_option_names(task_name: str, given: Collection[str], known: Collection[str]) -> None:
+    """Refuse a ``lock_*`` option of a task (``@app.task(lock_tll=30)``), or a peer's option
+    (``unique_on``), that is not among ``known``, the attributes the task class inherits:
+    nothing would read it, and the setting meant would keep its default.
+
+    Raises:
+        ConfigurationError: naming ``<task name>.<option>``, with the option meant.
+    """
+    for option in given:
+        if option in known:
+            continue
+        if option in _PEER_OPTIONS:
+            raise ConfigurationError(f"{task_name}.{option}", _PEER_OPTIONS[option])
+        if option.startswith("lock_"):
+            options = sorted(name for name in known if name.startswith("lock_"))
+            meant = difflib.get_close_matches(option, options, n=1)
+            hint = f" (did you mean {meant[0]}?)" if meant else ""
+            raise ConfigurationError(
+                f"{task_name}.{option}", f"no such option of LockedTask, and nothing reads it{hint}"
+            )
 
 
 def check_value(field: str, value: Any, name: str) -> Any:

@@ -44,7 +44,7 @@ def lock_store_url(app: Celery, settings: LockSettings) -> str:
     options of ``broker_use_ssl``)."""
     if settings.redis_url:
         return settings.redis_url
-    broker = first_broker_url(app)
+    broker = _without_kombus_own_arguments(first_broker_url(app))
     scheme = broker.split("://", 1)[0]
     if scheme == "redis+socket":
         return validate_redis_url("broker_url", _socket_broker_as_redis_url(broker))
@@ -56,6 +56,38 @@ def lock_store_url(app: Celery, settings: LockSettings) -> str:
         "celery_lock_redis_url",
         "not set, and the broker is not Redis: set it to the lock store's redis:// URL",
     )
+
+
+#: What kombu reads from any broker URL's query for its own connection, none of which redis-py
+#: takes (it refuses an argument it does not know): kombu's Redis transport ignores all but the
+#: connect timeout, which it passes on as redis-py's socket_connect_timeout.
+_KOMBU_URL_ARGUMENTS = {
+    "connect_timeout": "socket_connect_timeout",
+    "heartbeat": None,
+    "insist": None,
+    "login_method": None,
+    "credential_provider": None,
+}
+
+
+def _without_kombus_own_arguments(broker: str) -> str:
+    """A broker URL with the query arguments kombu reads for itself (``?heartbeat=10``) taken
+    off, or given as redis-py names them (``connect_timeout``), so that a URL the broker's
+    connection takes gives a lock store URL redis-py takes."""
+    base, mark, query = broker.partition("?")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if not mark or not any(name in _KOMBU_URL_ARGUMENTS for name, _ in pairs):
+        return broker
+    given = {name for name, _ in pairs}
+    kept = []
+    for name, value in pairs:
+        if name not in _KOMBU_URL_ARGUMENTS:
+            kept.append((name, value))
+            continue
+        redis_name = _KOMBU_URL_ARGUMENTS[name]
+        if redis_name is not None and redis_name not in given:
+            kept.append((redis_name, value))
+    return f"{base}?{urlencode(kept)}" if kept else base
 
 
 # kombu reads a broker URL's ssl_cert_reqs in Celery's spelling too; redis-py only in its own.

@@ -62,7 +62,7 @@ except ImportError:  # Celery before 5.6.3
     _get_actual_ignore_result = None
 
 from . import signals
-from .config import LockSettings
+from .config import LockSettings, check_option_names
 from .delivery import copy_delivery
 from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event, send_task_event_apart
 from .exceptions import (
@@ -274,6 +274,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if signature is None:
             return
         name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__name__}"
+        if cls.__dict__.get("_decorated"):
+            # Options of the decorator (and task_annotations) are in the class Celery made of
+            # the function. Attributes of a task class of the user's own are its own.
+            inherited = {option for base in cls.__mro__[1:] for option in vars(base)}
+            check_option_names(name, list(cls.__dict__), inherited)
         cls._lock_deriver = KeyDeriver.create(name, signature, spec)
         _check_scope(name, cls.lock_scope)
         LockSettings.resolve({}, cls._lock_task_options(), name, check_together=False)

@@ -94,7 +94,7 @@ class LockStep(bootsteps.Step):
         urls = {lock_store_url(app, LockSettings.resolve(app.conf))} if _has_store(app) else set()
         for task in app.tasks.values():
             if isinstance(task, LockedTask):
-                urls.add(lock_store_url(app, task.lock_settings()))
+                urls.add(_store_url_of(app, task))
         stores = {url: LockStore.from_url(url) for url in urls}
         try:
             warn_at_startup(app, stores)
@@ -254,6 +254,20 @@ def _hide_lock_store_url_in_reports() -> None:
         celery_app_utils.HIDDEN_SETTINGS = re.compile(  # type: ignore[attr-defined]
             f"{hidden.pattern}|LOCK_REDIS_URL", hidden.flags
         )
+
+
+def _store_url_of(app: Celery, task: Any) -> str:
+    """The lock store URL of ``task``.
+
+    Raises:
+        ConfigurationError: the task has none, naming the task: it may be one the app never
+            declared (a task of another app in the process, shared with every app by
+            Celery's default ``shared=True``).
+    """
+    try:
+        return lock_store_url(app, task.lock_settings())
+    except ConfigurationError as exc:
+        raise ConfigurationError(exc.setting, f"{exc.problem} (task {task.name})") from exc
 
 
 def _has_store(app: Celery) -> bool:
