@@ -11,6 +11,8 @@
   an evicted lease lets a second copy in while the first still runs;
 * a lock store that cannot be reached (or refuses the user or password, or the connection):
   until it can, tasks are deferred (or fail); a warning, since it may come up later;
+* a lock store URL whose ``?max_connections=`` is below the task bodies a process runs at once
+  (threads, gevent and eventlet pools) plus the heartbeat;
 * a lock store whose user may not use the keys under a task's key prefix (a Redis ACL that keeps
   it to other keys): every acquire would be refused;
 * a worker whose threads gevent or eventlet patched (``-P gevent``, ``-P eventlet``): the
@@ -44,6 +46,8 @@ from .runtime import first_broker_url, lock_store_url
 from .store import REFUSED_ERRORS, TRANSIENT_ERRORS, LockStore, address_of, reach
 
 __all__ = [
+    "bodies_per_process",
+    "connection_warnings",
     "delivery_warnings",
     "green_heartbeat_warnings",
     "misnamed_settings",
@@ -216,6 +220,35 @@ def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
     return found
 
 
+#: The pools that run several task bodies in one process, each with a lock store connection
+#: of its own while it acquires or releases.
+_SHARED_PROCESS_POOLS = frozenset(
+    {"celery.concurrency.thread", "celery.concurrency.gevent", "celery.concurrency.eventlet"}
+)
+
+
+def bodies_per_process(pool_cls: Any, concurrency: int) -> int:
+    """How many task bodies a worker process runs at once: ``concurrency`` under the threads,
+    gevent and eventlet pools, one under prefork and solo (``pool_cls``: the worker's pool
+    class)."""
+    return concurrency if getattr(pool_cls, "__module__", "") in _SHARED_PROCESS_POOLS else 1
+
+
+def connection_warnings(store: LockStore, bodies: int) -> list[str]:
+    """Whether the lock store's connection pool (``?max_connections=``) has fewer connections
+    than ``bodies`` task bodies of one process and its heartbeat may use at once: the rest get
+    redis-py's "Too many connections", retried and then deferred as an outage would be."""
+    limit = store.client.connection_pool.max_connections
+    if limit >= bodies + 1:
+        return []
+    return [
+        f"lock store {address_of(store.client)} allows {limit} connections per process "
+        f"(max_connections), fewer than the {bodies} task bodies a process runs at once and its "
+        f"heartbeat: tasks will wait, retry and be deferred as if the store were down; use "
+        f"max_connections={bodies + 1} or more, or leave it out"
+    ]
+
+
 def _key_permission_warnings(store: LockStore, prefix: str) -> list[str]:
     """Whether the lock store's user may not use the keys of a request under ``prefix`` (a
     Redis ACL that confines it to other keys, such as a broker user kept to the broker's
@@ -258,12 +291,14 @@ def _prefixes_by_store(app: Celery) -> dict[str, set[str]]:
     return found
 
 
-def warn_at_startup(app: Celery, stores: dict[str, LockStore]) -> list[str]:
+def warn_at_startup(app: Celery, stores: dict[str, LockStore], bodies: int = 1) -> list[str]:
     """Log a warning for every contradiction found in the app's lock settings and stores.
 
     Args:
         app: the app whose ``app.conf`` and registered ``LockedTask`` settings are checked.
         stores: the lock stores to check for eviction, by URL.
+        bodies: how many task bodies a worker process runs at once (see
+            :func:`bodies_per_process`).
 
     Returns:
         The warnings, as logged.
@@ -280,6 +315,7 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore]) -> list[str]:
                 found += settings_warnings(app, task.name, settings)
     prefixes = _prefixes_by_store(app)
     for url, store in stores.items():
+        found += connection_warnings(store, bodies)
         found += store_warnings(store, sorted(prefixes.get(url, ())))
     for message in found:
         logger.warning("celery-lock: %s", message)

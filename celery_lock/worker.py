@@ -26,7 +26,7 @@ from celery import _state as celery_state
 from celery.app import utils as celery_app_utils
 from celery.signals import worker_process_init, worker_process_shutdown
 
-from .checks import warn_at_startup
+from .checks import bodies_per_process, warn_at_startup
 from .config import DUPLICATE_POLICIES, LockSettings, check_value
 from .events import wait_for_events_apart
 from .exceptions import ConfigurationError
@@ -59,7 +59,10 @@ class LockStep(bootsteps.Step):
         try:
             self._start(parent, options)
             super().__init__(parent, **options)
-            self._check(parent.app)
+            bodies = bodies_per_process(
+                getattr(parent, "pool_cls", None), getattr(parent, "concurrency", None) or 1
+            )
+            self._check(parent.app, bodies)
         except ConfigurationError as exc:
             if click.get_current_context(silent=True) is None:
                 raise  # a worker started from Python (app.Worker, start_worker): a typed error
@@ -87,8 +90,9 @@ class LockStep(bootsteps.Step):
         reset_runtime(app)
 
     @staticmethod
-    def _check(app: Celery) -> None:
-        """Warn about settings that contradict the guarantees (see :mod:`celery_lock.checks`)."""
+    def _check(app: Celery, bodies: int) -> None:
+        """Warn about settings that contradict the guarantees (see :mod:`celery_lock.checks`);
+        ``bodies``: how many task bodies a worker process runs at once."""
         from .task import LockedTask  # noqa: PLC0415 - task imports this module
 
         urls = {lock_store_url(app, LockSettings.resolve(app.conf))} if _has_store(app) else set()
@@ -97,7 +101,7 @@ class LockStep(bootsteps.Step):
                 urls.add(_store_url_of(app, task))
         stores = {url: LockStore.from_url(url) for url in urls}
         try:
-            warn_at_startup(app, stores)
+            warn_at_startup(app, stores, bodies)
         finally:
             for store in stores.values():
                 store.client.close()

@@ -185,3 +185,20 @@ def test_a_lock_store_not_reachable_at_start_is_warned_about_and_the_worker_star
         r"\(or run unlocked under fail_open\) until it is",
         log,
     ), log
+
+
+@pytest.mark.parametrize(("pool", "warned"), [("threads", True), ("prefork", False)])
+def test_too_few_lock_store_connections_for_a_threads_pool_are_warned_about_at_start(
+    spawn_worker: Callable[..., CeleryWorker], worker_env: dict[str, str], pool: str, warned: bool
+) -> None:
+    """settings.md: under a threads pool, max_connections must be at least the threads plus
+    one (the heartbeat). Four threads on two connections would wait, retry and be deferred as
+    if the store were down, without a word at start. A prefork child runs one body: two do."""
+    env = {**worker_env, "STORM_LOCK_URL": f"{worker_env['STORM_LOCK_URL']}?max_connections=2"}
+    log = spawn_worker(APP, env, pool=pool, concurrency=4).log()
+    expected = (
+        "allows 2 connections per process (max_connections), fewer than the 4 task bodies a "
+        "process runs at once and its heartbeat"
+    )
+    assert (expected in log) is warned, log
+    assert ("max_connections=5 or more" in log) is warned, log
