@@ -1,10 +1,14 @@
 """Celery events sent by celery-lock, for Flower and other event consumers.
 
 ``task-skipped``
-    A copy was skipped. Fields: ``name`` (task name), ``lock_key``, ``reason`` (``running`` or
-    ``done``), ``holder`` (task id), and ``result``, a readable summary that Flower displays.
+    A copy was skipped. Fields: ``name``, ``lock_key``, ``reason`` (``running`` or ``done``),
+    ``holder`` (task id), and ``result``, a readable summary that Flower displays.
 ``task-lock-lost``
     The heartbeat found a running task's lease lost. Fields: ``name``, ``lock_key``, ``result``.
+
+``name`` is the name Celery's own events give the call (``task-received``): the task's name, or
+the call's shadow name when it has one (``apply_async(shadow=...)``, ``Task.shadow_name``), so
+that Flower lists and counts the call under one name.
 
 Events follow the worker's switch: they are sent only when the worker sends task events
 (``celery worker -E`` or ``worker_send_task_events = True``), because ``Task.send_event`` would
@@ -56,12 +60,14 @@ def send_task_event(
     """Send event ``type_`` about ``task_id`` if the worker sends task events; never raise.
 
     Takes the worker's ``hostname`` explicitly: the heartbeat thread has no task request.
+    ``name`` defaults to the task's name; a call with a shadow name passes that instead.
     """
     if not hostname or not task_events_enabled(task):
         return
+    fields.setdefault("name", task.name)
     try:
         with task.app.events.default_dispatcher(hostname=hostname) as dispatcher:
-            dispatcher.send(type_, uuid=task_id, name=task.name, retry=False, **fields)
+            dispatcher.send(type_, uuid=task_id, retry=False, **fields)
     except Exception:  # an event is worth a log line, never a failed task
         logger.warning("celery-lock: could not send %s for task %s", type_, task_id, exc_info=True)
 

@@ -62,6 +62,7 @@ class LockedRequest(Request):
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
         if isinstance(exc, SkippedCopy):
-            # Request.send_event: only if the worker's dispatcher sends task events now.
-            self.send_event(TASK_SKIPPED, name=self.task.name, **exc.event_fields())
+            # Request.send_event: only if the worker's dispatcher sends task events now. Named
+            # as task-received names the call (self.name is its shadow name, if it has one).
+            self.send_event(TASK_SKIPPED, name=self.name, **exc.event_fields())
         return super().on_failure(exc_info, send_failed_event, return_ok)

@@ -160,6 +160,13 @@ def _shown_arguments(request: Any) -> dict[str, Any]:
     }
 
 
+def _shown_name(task: Task[Any, Any], request: Any) -> str:
+    """The name Celery's own events give a call (``task-received``'s ``name``): its shadow name
+    (``apply_async(shadow=...)``, ``Task.shadow_name``) if it has one, else the task's. Flower
+    lists and counts a call under the name of its events: the same for all of them."""
+    return getattr(request, "shadow", None) or task.name
+
+
 def _ignores_result(task: Task[Any, Any], request: Any) -> bool:
     """Whether Celery stores no result for this call, as it decides for the call's own result:
     since Celery 5.6.3 a call's ``ignore_result`` (every message carries one) overrides the
@@ -650,6 +657,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
     def _lease_lost_callback(self, request: Any) -> Callable[[Lease], None]:
         hostname = None if request.is_eager else request.hostname
+        name = _shown_name(self, request)
         # Weakly: the request holds the lease (``lock_lease``) and the lease holds this
         # callback, and that cycle, left to the garbage collector once per task, grew a worker's
         # RSS by ~6 bytes per task (580 KiB over 100k tasks). Once the request is gone, nobody
@@ -668,6 +676,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 TASK_LOCK_LOST,
                 lease.holder.task_id,
                 hostname,
+                name=name,
                 lock_key=lease.keys.lock,
                 result=f"lock lost: {lease.keys.lock}",
             )
@@ -694,7 +703,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
             # switch stood when the process started (like task-lock-lost).
             if not request.is_eager:
                 fields = SkippedCopy(keys.lock, reason, holder).event_fields()
-                send_task_event(self, TASK_SKIPPED, request.id, request.hostname, **fields)
+                send_task_event(
+                    self, TASK_SKIPPED, request.id, request.hostname,
+                    name=_shown_name(self, request), **fields,
+                )  # fmt: skip
             return meta
         if request.id and not request.is_eager and not _ignores_result(self, request):
             self.update_state(task_id=request.id, state=SKIPPED, meta=meta)

@@ -6,7 +6,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import redis
 from celery import Celery
+from celery.events.state import State
 from conftest import wait_for
 
 from celery_lock import SKIPPED, LockedTask, is_skipped
@@ -59,6 +61,56 @@ def test_skipped_copy_sends_task_skipped_event(
 
 
 @pytest.mark.parametrize(
+    ("task", "copy_state"),
+    [("storm.process", SKIPPED), ("storm.process_as_success", "SUCCESS")],
+    ids=["skipped", "skip-as-success"],
+)
+def test_task_skipped_names_a_shadowed_call_as_task_received_does(
+    make_producer: Callable[..., Celery],
+    events_worker: CeleryWorker,
+    worker_env: dict[str, str],
+    task: str,
+    copy_state: str,
+) -> None:
+    # Celery's own events name a call by its shadow name ("used in logs/monitoring"): under
+    # the task's own name, Flower renamed the copy at the skip and counted it apart.
+    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
+    shadow = f"{task}[tenant-a]"
+    with EventTap(app, "task-received", "task-skipped") as tap:
+        app.send_task(task, args=(5,), shadow=shadow).get(timeout=30)
+        copy = app.send_task(task, args=(5,), shadow=shadow)
+        wait_for(
+            "task-skipped",
+            lambda: (
+                copy.state == copy_state and any(e["type"] == "task-skipped" for e in tap.events)
+            ),
+        )
+    names = {event["type"]: event["name"] for event in tap.events if event["uuid"] == copy.id}
+    assert names == {"task-received": shadow, "task-skipped": shadow}
+
+
+def test_task_lock_lost_names_a_shadowed_call_as_task_received_does(
+    make_producer: Callable[..., Celery], events_worker: CeleryWorker, worker_env: dict[str, str]
+) -> None:
+    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
+    locks = redis.Redis.from_url(worker_env["STORM_LOCK_URL"])
+    key = "celery-lock:{storm.long:6}:lock"
+    try:
+        with EventTap(app, "task-received", "task-lock-lost") as tap:
+            result = app.send_task("storm.long", args=(6, 3.0), shadow="storm.long[tenant-a]")
+            wait_for("the lease", lambda: locks.exists(key))
+            locks.delete(key)  # the heartbeat's next extend finds it gone
+            wait_for("task-lock-lost", lambda: len(tap.events) == 2)
+            result.get(timeout=30)
+    finally:
+        locks.close()
+    assert [(e["type"], e["name"]) for e in tap.events] == [
+        ("task-received", "storm.long[tenant-a]"),
+        ("task-lock-lost", "storm.long[tenant-a]"),
+    ]
+
+
+@pytest.mark.parametrize(
     ("worker_sends", "task_sends"), [(True, True), (True, False), (False, True)]
 )
 def test_events_follow_the_worker_switch_and_the_tasks_own(
@@ -71,3 +123,28 @@ def test_events_follow_the_worker_switch_and_the_tasks_own(
     def quiet(request_idx: int) -> None: ...
 
     assert task_events_enabled(quiet) is (worker_sends and task_sends)
+
+
+@pytest.mark.parametrize(
+    ("end", "fields", "final", "result"),
+    [
+        ("task-succeeded", {"result": "7", "runtime": 1.0}, "SUCCESS", "7"),
+        ("task-failed", {"exception": "LockLostError()"}, "FAILURE", "lock lost: k"),
+    ],
+    ids=["succeeded", "failed"],
+)
+def test_a_lost_lease_s_result_stays_on_a_row_that_ends_failed(
+    end: str, fields: dict[str, object], final: str, result: str
+) -> None:
+    # Celery's State, which Flower's is: task-failed carries no result (monitoring.md).
+    state = State()
+    events = [
+        ("task-received", {"name": "shop.charge"}),
+        ("task-started", {}),
+        ("task-lock-lost", {"name": "shop.charge", "lock_key": "k", "result": "lock lost: k"}),
+        (end, fields),
+    ]
+    for clock, (type_, more) in enumerate(events):
+        common = {"uuid": "u", "hostname": "w", "clock": clock, "timestamp": clock}
+        state.event({"type": type_, "local_received": clock, **common, **more})
+    assert (state.tasks["u"].state, state.tasks["u"].result) == (final, result)
