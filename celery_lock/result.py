@@ -57,6 +57,8 @@ def follow(
         grace: seconds a finished holder's result may take to reach the backend.
 
     Raises:
+        TypeError: ``result`` is not one ``AsyncResult`` (a group's ``GroupResult``: follow each
+            of its ``results``).
         celery.exceptions.TimeoutError: nothing was ready within ``timeout``.
         celery_lock.ConfigurationError: the copy was skipped, and the result backend is
             ``rpc://``, from which a holder's result cannot be had reliably.
@@ -71,6 +73,11 @@ def follow(
     broker that is not Redis), ``follow`` cannot read whether a holder completed: it logs a
     warning (once per app and process) and waits for the holder's result, up to ``timeout``.
     """
+    if not isinstance(result, AsyncResult):  # an EagerResult is one
+        raise TypeError(
+            f"follow() takes one AsyncResult, not a {type(result).__name__}: follow each of "
+            "its results instead"
+        )
     if getattr(result, "ignored", False):
         # A call made with ignore_result stores no state to wait for, skipped or not:
         # AsyncResult.get returns None for it at once, and so does follow.

@@ -17,7 +17,7 @@ import pytest
 from celery import Celery
 from celery.backends.base import KeyValueStoreBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from celery.result import AsyncResult
+from celery.result import AsyncResult, GroupResult
 from celery.states import STARTED
 
 from celery_lock import (
@@ -95,6 +95,13 @@ def test_follow_finds_the_holder_in_the_result_backend_of_the_copy(celery_app: C
     own.store_result(copy_id, skipped_marker(KEYS.lock, "running", "holder-id", TASK), SKIPPED)
     copy: AsyncResult[Any] = AsyncResult(copy_id, backend=own, app=celery_app)
     assert follow(copy, timeout=TIMEOUT, interval=0.05) == "processed 7"
+
+
+def test_follow_refuses_a_group_s_result(celery_app: Celery) -> None:
+    # A GroupResult has no state of its own: follow failed on a missing private method.
+    group_result = GroupResult("group-id", [AsyncResult("a", app=celery_app)], app=celery_app)
+    with pytest.raises(TypeError, match="follow each of its results"):
+        follow(group_result, timeout=TIMEOUT)  # type: ignore[arg-type]
 
 
 def test_follow_returns_none_at_once_for_a_call_that_ignores_its_result(celery_app: Celery) -> None:
