@@ -5,6 +5,8 @@
 * a task that changes a delivery default ``LockedTask`` sets (``acks_late=False``,
   ``reject_on_worker_lost=False``, ``retry_on_worker_lost=True``): a killed holder's message
   would not come back as itself, and its request might never run;
+* a task whose request class is not derived from ``LockedRequest``: its skips send no
+  ``task-skipped``, and its deferred copies take the task's serializer;
 * a heartbeat interval above a third of the lease TTL (fewer than three beats per TTL): after
   one missed beat, the next has less than an interval's margin before the lease lapses;
 * a lock store that may evict keys (``maxmemory`` with a policy other than ``noeviction``):
@@ -38,10 +40,12 @@ from typing import Any
 
 import redis
 from celery import Celery
+from kombu.utils.imports import symbol_by_name
 
 from .config import LockSettings, conf_value
 from .exceptions import ConfigurationError
 from .keys import RequestKeys
+from .request import LockedRequest
 from .runtime import first_broker_url, lock_store_url
 from .store import REFUSED_ERRORS, TRANSIENT_ERRORS, LockStore, address_of, reach
 
@@ -51,6 +55,7 @@ __all__ = [
     "delivery_warnings",
     "green_heartbeat_warnings",
     "misnamed_settings",
+    "request_class_warnings",
     "settings_warnings",
     "store_warnings",
     "unknown_settings",
@@ -129,6 +134,24 @@ def delivery_warnings(task: Any) -> list[str]:
                 f"default: {cost}"
             )
     return found
+
+
+def request_class_warnings(task: Any) -> list[str]:
+    """Whether ``task``'s request class (its ``Request``) is not derived from
+    :class:`~celery_lock.request.LockedRequest`, which sends ``task-skipped`` from the worker's
+    main process and carries the message's content type to the pool process."""
+    request_class = task.Request
+    if isinstance(request_class, str):
+        request_class = symbol_by_name(request_class)
+    if isinstance(request_class, type) and issubclass(request_class, LockedRequest):
+        return []
+    name = getattr(request_class, "__qualname__", request_class)
+    return [
+        f"{task.name}: its request class {name} is not derived from "
+        "celery_lock.request.LockedRequest: a skipped copy sends no task-skipped event (Flower "
+        "shows it as SKIPPED without one), and a deferred copy is published with the task's "
+        "serializer, not its message's"
+    ]
 
 
 def green_heartbeat_warnings() -> list[str]:
@@ -309,7 +332,7 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore], bodies: int = 1) 
     found += settings_warnings(app, "celery_lock", LockSettings.resolve(app.conf))
     for task in app.tasks.values():
         if isinstance(task, LockedTask):
-            found += delivery_warnings(task)
+            found += delivery_warnings(task) + request_class_warnings(task)
             settings = task.lock_settings()
             if settings != LockSettings.resolve(app.conf):
                 found += settings_warnings(app, task.name, settings)

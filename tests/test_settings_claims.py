@@ -16,8 +16,10 @@ import pytest
 import redis
 from celery import Celery
 from celery import _state as celery_state
+from celery.worker.request import Request
 
 from celery_lock import ConfigurationError, LockedTask, LockSettings, checks
+from celery_lock.request import LockedRequest
 from celery_lock.runtime import lock_store_url, reset_runtime
 from celery_lock.store import LockStore
 from celery_lock.testing import CeleryWorker, RedisServer
@@ -284,3 +286,36 @@ def test_a_worker_refused_for_a_task_without_a_lock_store_names_the_task() -> No
         LockStep(SimpleNamespace(app=mail, task_events=False))
     assert str(raised.value).startswith("celery_lock_redis_url: not set, and the broker is not")
     assert str(raised.value).endswith("(task claims.shop.charge)")
+
+
+def test_a_request_class_not_derived_from_locked_request_is_warned_about_at_start() -> None:
+    """monitoring.md: a task with a request class of its own should derive it from
+    LockedRequest. One that does not sent no task-skipped, and its deferred copies took the
+    task's serializer, without a word at start."""
+
+    class Audited(Request):
+        pass
+
+    class AuditedLocked(LockedRequest):
+        pass
+
+    app = Celery("claims_request", broker="memory://", set_as_current=False)
+    app.conf.celery_lock_redis_url = "redis://127.0.0.1:1/0"
+
+    @app.task(base=LockedTask, lock_key="i", name="claims.own", shared=False, Request=Audited)
+    def own(i: int) -> int:
+        return i
+
+    @app.task(base=LockedTask, lock_key="i", name="claims.derived", shared=False)
+    def derived(i: int) -> int:
+        return i
+
+    derived.Request = AuditedLocked  # a class, as Celery also takes it
+    warnings = [w for w in checks.warn_at_startup(app, {}) if "request class" in w]
+    assert warnings == [
+        "claims.own: its request class "
+        "test_a_request_class_not_derived_from_locked_request_is_warned_about_at_start.<locals>."
+        "Audited is not derived from celery_lock.request.LockedRequest: a skipped copy sends no "
+        "task-skipped event (Flower shows it as SKIPPED without one), and a deferred copy is "
+        "published with the task's serializer, not its message's"
+    ]
