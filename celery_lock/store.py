@@ -19,7 +19,8 @@ tenacity (bounded, jittered) before raising an error:
 
 Scripts run by ``EVALSHA``; a ``NOSCRIPT`` reply (the server restarted or flushed its scripts) is
 answered by loading the script and running it once more, for acquire and release as for the
-heartbeat's pipeline. Every new connection reads the server's ``run_id`` (``INFO server``): a
+heartbeat's pipeline; ``NOSCRIPT`` again on that run (a second flush or restart in between) is
+"not now" as well. Every new connection reads the server's ``run_id`` (``INFO server``): a
 change means the server restarted, so leases, done-markers and fence counters may be gone, and a
 warning says so. That costs one round trip per connection, never one per task.
 """
@@ -333,7 +334,8 @@ class LockStore:
             self._own_guard.release()
 
     def _evalsha(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run ``script`` by ``EVALSHA``; after ``NOSCRIPT`` load it and run it once more."""
+        """Run ``script`` by ``EVALSHA``; after ``NOSCRIPT`` load it and run it once more (a
+        second ``NOSCRIPT`` is :class:`TransientReplyError`)."""
         try:
             try:
                 reply = self._send("EVALSHA", script.sha, len(keys), *keys, *args)
@@ -349,8 +351,14 @@ class LockStore:
 
     def _raise_if_transient(self, exc: redis.ResponseError) -> None:
         """Raise :class:`TransientReplyError` for an error reply that means "not now" (leaving
-        a demoted primary first); return for any other."""
-        if is_transient_reply(exc):
+        a demoted primary first); return for any other.
+
+        ``NOSCRIPT`` reaches here only from a run after the script was loaded again: it went
+        missing once more in between (a second ``SCRIPT FLUSH`` or restart), which the next
+        try, loading it again, can outlast. Not a refusal for good: as one, a copy would fail
+        unrun and a held lease would count as lost.
+        """
+        if isinstance(exc, NoScriptError) or is_transient_reply(exc):
             self._leave_if_demoted(exc)
             raise TransientReplyError(str(exc)) from exc
 

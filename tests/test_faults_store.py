@@ -812,6 +812,68 @@ def test_heartbeat_pipeline_reloads_its_script_after_a_real_restart(
     assert admin.pttl(KEYS.lock) > 3_000  # extended to the TTL (5 s) by the reloaded script
 
 
+def flush_after_loads(store: LockStore, admin: redis.Redis, times: int) -> list[str]:
+    """Make the next ``times`` loads of each script by ``store`` find it gone again at once, as
+    a second ``SCRIPT FLUSH`` or restart between the load and the run would (a race no test
+    can time): such a load is followed by a real ``SCRIPT FLUSH`` on the server. Returns the
+    digests loaded, in order."""
+    loaded: list[str] = []
+    load = store._load
+
+    def load_then_flush(script: Any) -> None:
+        load(script)
+        loaded.append(script.sha)
+        if loaded.count(script.sha) <= times:
+            admin.script_flush()
+
+    store._load = load_then_flush  # type: ignore[method-assign]
+    return loaded
+
+
+def test_a_script_gone_again_once_loaded_is_not_now_for_acquire_and_release(
+    store: LockStore, admin: redis.Redis
+) -> None:
+    """NOSCRIPT on the run after the load: tried again (loaded once more), not an error reply
+    that fails the copy unrun."""
+    acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "warm", "s"))
+    admin.script_flush()
+    loaded = flush_after_loads(store, admin, times=1)
+    token = new_token()
+    assert acquire(store, token) == Acquired(fence=1)
+    assert loaded == [store.scripts.acquire.sha] * 2
+    admin.script_flush()
+    lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+    assert store.release(lease, success=True, done_ttl_ms=60_000) is True
+    assert loaded[2:] == [store.scripts.release.sha] * 2
+    assert admin.get(KEYS.done) == b"task-1"
+
+
+def test_a_script_that_stays_gone_once_loaded_is_unavailable_not_an_error(
+    store: LockStore, admin: redis.Redis
+) -> None:
+    """Gone after every load: the store is unavailable (a copy is deferred), not refusing."""
+    admin.script_flush()
+    flush_after_loads(store, admin, times=100)
+    with pytest.raises(LockStoreUnavailableError, match="No matching script"):
+        acquire(store, new_token())
+
+
+def test_the_heartbeat_s_script_gone_again_once_loaded_does_not_lose_the_lease(
+    store: LockStore, admin: redis.Redis
+) -> None:
+    token = new_token()
+    assert acquire(store, token) == Acquired(fence=1)
+    lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+    assert store.extend_all([lease]) == [True]
+    admin.script_flush()
+    loaded = flush_after_loads(store, admin, times=1)
+    admin.pexpire(KEYS.lock, 2_000)
+    beat_once(lease)
+    assert not lease.lost
+    assert loaded == [store.scripts.extend.sha] * 2
+    assert admin.pttl(KEYS.lock) > 3_000  # extended by the script loaded the second time
+
+
 def test_restart_is_detected_by_run_id_with_a_warning(
     lock_server: RedisServer, store: LockStore, admin: redis.Redis, logs: Records
 ) -> None:
