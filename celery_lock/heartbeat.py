@@ -5,7 +5,10 @@ interval and extends all held leases of a store in one pipelined round trip (the
 process that uses several, each on a thread of its own). A lease whose extend
 answers "not yours" is lost at once; a lease that cannot be confirmed (Redis unreachable) is lost
 once a full TTL has passed since it was last confirmed, because by then it has surely expired.
-The thread never dies silently: an unexpected error is logged and the loop goes on.
+A release that found the store unavailable is tried again on each beat while its lease may still
+be held (:meth:`Heartbeat.release_later`), so a blip at the end of a run does not cost the
+request its done-marker. The thread never dies silently: an unexpected error is logged and the
+loop goes on.
 """
 
 from __future__ import annotations
@@ -15,17 +18,30 @@ import math
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from time import monotonic as _monotonic
 
 import redis
 
-from .exceptions import LockStoreError
+from .exceptions import LockStoreError, LockStoreUnavailableError
 from .lease import Lease
 from .store import LockStore
 
 __all__ = ["Heartbeat"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Release:
+    """A release to try again: its lease, its outcome, and whom to tell once it is done."""
+
+    lease: Lease
+    success: bool
+    done_ttl_ms: int
+    #: Called with whether the lease was still owned, once a try got an answer.
+    then: Callable[[bool], None] | None
 
 
 class Heartbeat:
@@ -35,6 +51,8 @@ class Heartbeat:
         self.pid = os.getpid()
         self.default_interval = default_interval
         self._leases: dict[int, tuple[Lease, float]] = {}
+        #: Releases that found the store unavailable, tried again on each beat (release_later).
+        self._releasing: dict[int, _Release] = {}
         #: What the thread waits while no lease is held: the shortest interval it has seen.
         self._idle_interval = default_interval
         #: What the thread waits now: only a lease that needs a shorter wait wakes it.
@@ -113,6 +131,27 @@ class Heartbeat:
         with self._guard:
             return [lease for lease, _ in self._leases.values()]
 
+    def release_later(
+        self,
+        lease: Lease,
+        *,
+        success: bool,
+        done_ttl_ms: int,
+        then: Callable[[bool], None] | None = None,
+    ) -> None:
+        """Try ``lease``'s release again on each beat, until a try gets an answer or the lease
+        has surely lapsed (a whole TTL unconfirmed); then call ``then(owned)``, on the thread
+        that beats. For a release that found the store unavailable: the lease, and with it the
+        done-marker of a run that succeeded, may outlast the outage."""
+        self._keep(_Release(lease, success, done_ttl_ms, then))
+        if not self.running:
+            try:
+                self.start()
+            except RuntimeError as exc:  # "can't start new thread": the next lease starts it
+                logger.warning(
+                    "celery-lock: no heartbeat to release %s later: %s", lease.keys.lock, exc
+                )
+
     def _interval(self) -> float:
         return min((i for _, i in self._leases.values()), default=self._idle_interval)
 
@@ -153,6 +192,8 @@ class Heartbeat:
         for lease in self.leases():
             if not lease.lost:
                 by_store[lease.store].append(lease)
+        for store in self._stores_releasing():
+            by_store.setdefault(store, [])  # visited for its releases, even with no lease held
         if len(by_store) == 1:
             [(store, leases)] = by_store.items()
             with self._guard:
@@ -190,7 +231,7 @@ class Heartbeat:
 
     def _extend(self, store: LockStore, leases: list[Lease]) -> None:
         """Extend the leases of one store; mark lost those it no longer holds, and those left
-        unconfirmed for a whole TTL."""
+        unconfirmed for a whole TTL. Then try the store's releases again, if it answered."""
         started = _monotonic()
         try:
             owned = store.extend_all(leases)
@@ -201,12 +242,75 @@ class Heartbeat:
             for lease in leases:
                 if _monotonic() - lease.confirmed_at >= lease.ttl_ms / 1000:
                     self._lost_if_held(lease)
+            self._release_pending(store, give_up_only=True)
             return
         for lease, still_owned in zip(leases, owned, strict=True):
             if still_owned:
                 lease.confirmed_at = started
             else:
                 self._lost_if_held(lease)
+        self._release_pending(store)
+
+    def _stores_releasing(self) -> set[LockStore]:
+        with self._guard:
+            return {release.lease.store for release in self._releasing.values()}
+
+    def _release_pending(self, store: LockStore, *, give_up_only: bool = False) -> None:
+        """Try the releases of ``store`` left for later again, until one finds it unavailable;
+        give up those whose lease has surely lapsed (only that, with ``give_up_only``)."""
+        with self._guard:
+            pending = [r for r in self._releasing.values() if r.lease.store is store]
+        for release in pending:
+            lease = release.lease
+            # Taken out while it is tried: the shutdown's hand_back may try it meanwhile, and
+            # only one of them may report it.
+            with self._guard:
+                if self._releasing.pop(id(lease), None) is None:
+                    continue
+            if lease.expired:
+                # A whole TTL unconfirmed (or found lost): the lock is gone or another's, and
+                # no try can write the done-marker any more.
+                logger.error(
+                    "celery-lock: gave up releasing %s for task %s: the lock store stayed "
+                    "unavailable until its lease lapsed%s",
+                    lease.keys.lock,
+                    lease.holder.task_id,
+                    "; no done-marker was written" if release.success else "",
+                )
+                continue
+            if give_up_only:
+                self._keep(release)
+                continue
+            try:
+                owned = store.release(
+                    lease, success=release.success, done_ttl_ms=release.done_ttl_ms
+                )
+            except LockStoreUnavailableError:
+                self._keep(release)
+                give_up_only = True  # still unavailable: the others wait for the next beat
+                continue
+            except LockStoreError as exc:
+                logger.error(
+                    "celery-lock: release of %s for task %s failed: %s",
+                    lease.keys.lock,
+                    lease.holder.task_id,
+                    exc,
+                )
+                continue
+            logger.info(
+                "celery-lock: released %s for task %s once the lock store answered",
+                lease.keys.lock,
+                lease.holder.task_id,
+            )
+            if release.then is not None:
+                try:
+                    release.then(owned)
+                except Exception:
+                    logger.exception("celery-lock: after releasing %s", lease.keys.lock)
+
+    def _keep(self, release: _Release) -> None:
+        with self._guard:
+            self._releasing[id(release.lease)] = release
 
     def _lost_if_held(self, lease: Lease) -> None:
         """Mark ``lease`` lost, unless its task let go of it while the extend was on its way.
@@ -224,8 +328,11 @@ class Heartbeat:
         """Release every held lease without a done-marker; return how many were released.
 
         For a process about to die with bodies unfinished: where their messages come back (a
-        shutdown with late acks), they run at once instead of waiting a whole TTL.
+        shutdown with late acks), they run at once instead of waiting a whole TTL. The releases
+        left for later (:meth:`release_later`) are tried once more first, with their outcome.
         """
+        for store in self._stores_releasing():
+            self._release_pending(store)
         released = 0
         for lease in self.leases():
             self.discard(lease)

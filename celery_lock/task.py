@@ -627,13 +627,25 @@ class LockedTask(Task):  # type: ignore[type-arg]
             heartbeat.discard(lease)
             owned = lease.store.release(lease, success=success, done_ttl_ms=settings.done_ttl_ms)
         except LockStoreError as exc:
-            # The task's own outcome stands; the lease lapses by its TTL.
+            # The task's own outcome stands. A lease still held may well outlast the outage (a
+            # failover, BUSY, a restart that keeps its data): given up now, a run that succeeded
+            # would leave no done-marker, and a copy coming after the lease lapsed would run
+            # again. Anything else (a lease already lapsed, a refusal for good) lapses by its TTL.
+            later = isinstance(exc, LockStoreUnavailableError) and not lease.expired
             logger.error(
-                "celery-lock: release of %s for task %s failed: %s",
+                "celery-lock: release of %s for task %s failed: %s%s",
                 lease.keys.lock,
                 lease.holder.task_id,
                 exc,
+                "; the heartbeat tries again while the lease lasts" if later else "",
             )
+            if later:
+                heartbeat.release_later(
+                    lease,
+                    success=success,
+                    done_ttl_ms=settings.done_ttl_ms,
+                    then=lambda owned: self._released(lease, success=success, owned=owned),
+                )
             return
         except BaseException:
             # Raised inside, perhaps before the script left: a signal's exception or a greenlet
@@ -644,6 +656,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
             with contextlib.suppress(LockStoreError):
                 lease.store.release(lease, success=success, done_ttl_ms=settings.done_ttl_ms)
             raise
+        self._released(lease, success=success, owned=owned)
+
+    def _released(self, lease: Lease, *, success: bool, owned: bool) -> None:
+        """Report a release that got an answer: ``owned``, whether the lease was still held."""
         if not owned:
             logger.warning(
                 "celery-lock: lease on %s was no longer held by task %s at release",

@@ -10,6 +10,8 @@ its own (``lock_server``), so a test can stop, restart or pause it without touch
   down for now too, until a save succeeds.
 - Down mid-run: the heartbeat cannot extend; after a whole TTL unconfirmed the lease is lost
   (signal, ``request.lock_lost``); the release fails and is logged; the task still succeeds.
+  A release refused for now while the lease is still held is tried again by the heartbeat: with
+  its done-marker once the store answers, given up once the lease lapses.
 - Ambiguous replies: a reply lost after the write (a TCP proxy that runs the command but drops
   its reply) for acquire and release; ``NOSCRIPT`` after a real restart for acquire, release and
   the heartbeat's pipeline; a restart noticed by the server's ``run_id``.
@@ -626,6 +628,96 @@ def test_store_down_mid_run_loses_lease_after_ttl_and_task_still_succeeds(
     assert tasks["work"].delay(8).get(timeout=TIMEOUT) == 8
     assert bodies.runs[-1]["fence"] == 1
     print(f"\nlease lost {lost[0] - stopped:.2f}s after the store stopped (TTL 1.2 s)")
+
+
+@pytest.fixture
+def released() -> Iterator[list[dict[str, Any]]]:
+    """Every ``lock_released`` signal sent during the test."""
+    sent: list[dict[str, Any]] = []
+
+    def on_released(sender: Any, **kwargs: Any) -> None:
+        sent.append(kwargs)
+
+    signals.lock_released.connect(on_released, weak=False)
+    yield sent
+    signals.lock_released.disconnect(on_released)
+
+
+def test_a_release_refused_for_now_is_tried_again_while_the_lease_lasts(
+    admin: redis.Redis,
+    worker: Any,
+    tasks: dict[str, Any],
+    bodies: Bodies,
+    logs: Records,
+    released: list[dict[str, Any]],
+) -> None:
+    """The store refuses writes for a moment as the body ends (a failed save: MISCONF; a
+    failover or BUSY alike) and keeps its data: the heartbeat releases once it answers, with
+    the done-marker, so a later copy is skipped as done rather than run again."""
+    dumps: list[Path] = []
+    bodies.in_body = lambda: dumps.append(fail_saves(admin)) if not dumps else None
+    result = tasks["work"].delay(7)
+    assert result.get(timeout=TIMEOUT) == 7
+    keys = tasks["work"].request_keys((7,), {})
+    assert admin.exists(keys.lock)  # not released yet
+    assert logs.messages(logging.ERROR, "the heartbeat tries again while the lease lasts")
+    repair_saves(admin, dumps[0])
+    wait_for("the done-marker", lambda: admin.get(keys.done), TIMEOUT)
+    assert admin.get(keys.done) == result.id.encode()
+    assert not admin.exists(keys.lock)
+    assert [(r["owned"], r["success"]) for r in released] == [(True, True)]
+    assert logs.messages(logging.INFO, "once the lock store answered")
+    copy = tasks["work"].delay(7)
+    wait_for("the copy skipped", lambda: copy.state == SKIPPED, TIMEOUT)
+    assert copy.info["reason"] == "done"
+    assert len(bodies.runs) == 1
+
+
+def test_a_release_the_store_stays_unavailable_for_is_given_up_once_the_lease_lapses(
+    admin: redis.Redis,
+    worker: Any,
+    tasks: dict[str, Any],
+    bodies: Bodies,
+    logs: Records,
+    released: list[dict[str, Any]],
+) -> None:
+    result = tasks["slow"].delay(7)  # a lease TTL of 1.2 s
+    assert bodies.started.wait(TIMEOUT)
+    dump = fail_saves(admin)
+    bodies.proceed.set()  # the lease still held: its release is refused (MISCONF), not lost
+    result.get(timeout=TIMEOUT)
+    assert result.state == "SUCCESS"
+    wait_for("the release given up", lambda: logs.messages(logging.ERROR, "gave up"), TIMEOUT)
+    [gave_up] = logs.messages(logging.ERROR, "gave up")
+    assert "no done-marker was written" in gave_up
+    repair_saves(admin, dump)
+    keys = tasks["slow"].request_keys((7,), {})
+    assert not admin.exists(keys.lock, keys.done)  # lapsed; no marker
+    assert released == []
+
+
+def test_a_release_left_for_later_is_tried_with_its_outcome_when_the_process_hands_back(
+    store: LockStore, admin: redis.Redis
+) -> None:
+    """A pool process that exits (``max_tasks_per_child``, shutdown) right after its store
+    refused a release tries it once more as it hands its leases back: with the done-marker."""
+    token = new_token()
+    assert store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS) == Acquired(fence=1)
+    lease = Lease(store, KEYS, token, 600_000, 1, HOLDER)
+    dump = fail_saves(admin)
+    with pytest.raises(LockStoreUnavailableError):
+        store.release(lease, success=True, done_ttl_ms=60_000)
+    heartbeat = Heartbeat(default_interval=600)
+    answers: list[bool] = []
+    try:
+        heartbeat.release_later(lease, success=True, done_ttl_ms=60_000, then=answers.append)
+        repair_saves(admin, dump)
+        assert heartbeat.hand_back() == 0  # no lease held: nothing handed back
+    finally:
+        heartbeat.stop()
+    assert answers == [True]
+    assert admin.get(KEYS.done) == b"task-1"
+    assert not admin.exists(KEYS.lock)
 
 
 @pytest.mark.worker
