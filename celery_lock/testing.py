@@ -136,6 +136,7 @@ def hold(
             store.release(lease, success=False, done_ttl_ms=settings.done_ttl_ms)
     finally:
         store.client.close()
+        store.client.connection_pool.disconnect()  # redis-py 5.0.0's close() leaves it open
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -186,6 +187,17 @@ def _terminate(proc: subprocess.Popen[bytes], timeout: float, *, group: bool = F
     proc.wait(5)
 
 
+class _ClosingRedis(redis.Redis):
+    """A client whose ``close()`` disconnects its own pool, as redis-py 5.0.1 and later do for
+    a pool the client made itself."""
+
+    def close(self) -> None:
+        super().close()
+        pool = getattr(self, "connection_pool", None)  # None: the constructor failed early
+        if pool is not None:
+            pool.disconnect()
+
+
 class RedisServer:
     """A private, non-persistent ``redis-server`` on 127.0.0.1.
 
@@ -232,9 +244,13 @@ class RedisServer:
         return f"redis://{auth}127.0.0.1:{self.port}/{db}"
 
     def client(self, db: int = 0, **kwargs: Any) -> redis.Redis:
-        """Return a new ``redis.Redis`` for database ``db``; ``kwargs`` go to the client."""
+        """Return a new ``redis.Redis`` for database ``db``; ``kwargs`` go to the client.
+
+        Its ``close()`` (and so leaving ``with server.client() as client:``) closes its
+        connections, on redis-py 5.0.0 too, whose ``close()`` leaves the pool's open.
+        """
         kwargs.setdefault("password", self.password)
-        return redis.Redis(host="127.0.0.1", port=self.port, db=db, **kwargs)
+        return _ClosingRedis(host="127.0.0.1", port=self.port, db=db, **kwargs)
 
     def flush(self, db: int = 0) -> None:
         """Empty database ``db``, on a client closed at once (one left to the garbage collector
