@@ -193,10 +193,7 @@ class Runtime:
         """Stop the heartbeat and disconnect every store."""
         self.heartbeat.stop()
         for store in self._stores.values():
-            store.client.close()
-            # redis-py 5.0.0's close() leaves the pool's connections open (5.0.1 closes the
-            # pool of a client made by from_url): the store's own connection among them.
-            store.client.connection_pool.disconnect()
+            store.close()
         self._stores.clear()
 
 

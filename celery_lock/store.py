@@ -227,6 +227,12 @@ class LockStore:
         )
         return cls(client, **options)
 
+    def close(self) -> None:
+        """Close the client's connections, the store's own one included. (``Redis.close()``
+        alone leaves the pool's connections open on redis-py 5.0.0.)"""
+        self.client.close()
+        self.client.connection_pool.disconnect()
+
     # -- the server behind the client ---------------------------------------------------------
 
     def _on_connect(self, connection: Any) -> None:

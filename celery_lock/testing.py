@@ -135,8 +135,7 @@ def hold(
         finally:
             store.release(lease, success=False, done_ttl_ms=settings.done_ttl_ms)
     finally:
-        store.client.close()
-        store.client.connection_pool.disconnect()  # redis-py 5.0.0's close() leaves it open
+        store.close()
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -104,7 +104,7 @@ class LockStep(bootsteps.Step):
             warn_at_startup(app, stores, bodies)
         finally:
             for store in stores.values():
-                store.client.close()
+                store.close()
         reset_runtime(app)  # no connection of the main process crosses the fork
 
 
