@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
-from kombu import serialization
+from kombu import Exchange, Queue, serialization
+from kombu.common import Broadcast
 
 from .request import CONTENT_TYPE_FIELD
 
@@ -39,7 +40,8 @@ def copy_delivery(app: Celery, request: Any, countdown: float) -> tuple[float, d
     Celery sends countdowns through RabbitMQ's native delayed delivery (Celery 5.5+, quorum
     queues), which routes a delay by whole seconds and refuses 0, the countdown is rounded up
     to whole seconds, at least 1; and the copy names the queue it came from, since that
-    delivery routes by the queue's routing key and Celery would take the default queue's.
+    delivery routes by the queue's routing key and Celery would take the default queue's
+    (also for a message that came by a routing key of its own, through a topic binding).
     """
     options: dict[str, Any] = {}
     serializer = _serializer_of(request)
@@ -78,10 +80,49 @@ def _native_delayed_delivery(app: Any) -> bool:
 
 
 def _queue_delivered_from(app: Any, delivery_info: Mapping[str, Any]) -> str | None:
-    """The name of the app's queue whose routing key the delivery came by, the delay's prefix
-    taken off (a copy that came through native delayed delivery), or ``None``."""
+    """The name of the app's queue the delivery came from, or ``None``: the queue whose
+    routing key the delivery came by, the delay's prefix taken off (a copy that came through
+    native delayed delivery, which routes by the queue's routing key); else the queue bound
+    by a topic pattern (``orders.#``) that the delivery's own routing key (``orders.create``)
+    matches on the exchange it was published to."""
     routing_key = _DELAY_PREFIX.sub("", str(delivery_info.get("routing_key") or ""), count=1)
-    for name, queue in app.amqp.queues.items():
+    queues = app.amqp.queues
+    for name, queue in queues.items():
         if queue.routing_key == routing_key:
             return str(name)
+    exchange = delivery_info.get("exchange")
+    for name, queue in queues.items():
+        if isinstance(queue, Broadcast):  # never a delayed delivery's (nor Celery's) target
+            continue
+        for bound_to, binding_key in _bindings(queue):
+            if (
+                bound_to is not None
+                and bound_to.name == exchange
+                and bound_to.type == "topic"
+                and _topic_matches(binding_key or "", routing_key)
+            ):
+                return str(name)
     return None
+
+
+def _bindings(queue: Queue) -> list[tuple[Exchange | None, str | None]]:
+    """The (exchange, binding key) pairs ``queue`` is bound by, as native delayed delivery
+    reads them: its exchange and routing key, or else its ``bindings``."""
+    if queue.exchange:
+        return [(queue.exchange, queue.routing_key)]
+    return [(entry.exchange, entry.routing_key) for entry in queue.bindings or ()]
+
+
+def _topic_matches(binding_key: str, routing_key: str) -> bool:
+    """Whether a topic exchange routes ``routing_key`` by ``binding_key``: words split on
+    dots, ``*`` standing for one word and ``#`` for any number of them."""
+    return _words_match(tuple(binding_key.split(".")), tuple(routing_key.split(".")))
+
+
+def _words_match(pattern: tuple[str, ...], words: tuple[str, ...]) -> bool:
+    if not pattern:
+        return not words
+    head, rest = pattern[0], pattern[1:]
+    if head == "#":
+        return any(_words_match(rest, words[skip:]) for skip in range(len(words) + 1))
+    return bool(words) and head in ("*", words[0]) and _words_match(rest, words[1:])

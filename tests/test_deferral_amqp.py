@@ -28,10 +28,11 @@ DEFAULT_QUEUE = f"celery-lock-default-{SUFFIX}"
 WORK_QUEUE = f"celery-lock-work-{SUFFIX}"
 
 
-def quorum_queue(name: str, **arguments: Any) -> Queue:
-    """A quorum queue on a topic exchange of its own (native delayed delivery needs one)."""
+def quorum_queue(name: str, binding_key: str | None = None, **arguments: Any) -> Queue:
+    """A quorum queue on a topic exchange of its own (native delayed delivery needs one),
+    bound by ``binding_key`` (default: its name)."""
     return Queue(
-        name, Exchange(name, type="topic"), routing_key=name,
+        name, Exchange(name, type="topic"), routing_key=binding_key or name,
         queue_arguments={"x-queue-type": "quorum", **arguments},
     )  # fmt: skip
 
@@ -42,15 +43,23 @@ def work_queue_arguments() -> dict[str, Any]:
 
 
 @pytest.fixture
+def work_binding_key() -> str:
+    return WORK_QUEUE
+
+
+@pytest.fixture
 def celery_config(
-    celery_config: dict[str, Any], rabbitmq: str, work_queue_arguments: dict[str, Any]
+    celery_config: dict[str, Any],
+    rabbitmq: str,
+    work_queue_arguments: dict[str, Any],
+    work_binding_key: str,
 ) -> dict[str, Any]:
     return {
         **celery_config,
         "broker_url": rabbitmq,
         "task_queues": [
             quorum_queue(DEFAULT_QUEUE),
-            quorum_queue(WORK_QUEUE, **work_queue_arguments),
+            quorum_queue(WORK_QUEUE, work_binding_key, **work_queue_arguments),
         ],
         "task_default_queue": DEFAULT_QUEUE,
         "task_default_exchange": DEFAULT_QUEUE,
@@ -153,3 +162,21 @@ def test_a_retry_on_a_quorum_queue_runs_on_the_queue_it_came_from(
     (int() of it is 0) failed to publish, so Celery rejected the message without requeue."""
     result = redo.apply_async((7, countdown), queue=WORK_QUEUE)
     assert result.get(timeout=TIMEOUT) == 7
+
+
+@pytest.mark.parametrize("work_binding_key", [f"{WORK_QUEUE}.#"])
+def test_a_copy_routed_by_a_topic_pattern_is_deferred_to_the_queue_it_came_from(
+    stage: Any, redo: Any, work_worker: Any, store: LockStore, deferrals: list[str]
+) -> None:
+    """A message that reached its queue through a topic binding (``<queue>.#``) carries a
+    routing key of its own (``<queue>.create``), which is no queue's: the copy named no queue,
+    and native delayed delivery routed it by the default queue's routing key, to the default
+    queue, where no worker of the work queue would ever see it (and so did a retry)."""
+    routed = {"exchange": WORK_QUEUE, "routing_key": f"{WORK_QUEUE}.create"}
+    lease = hold(store, stage, 9, "other-stage-id", "q.other")  # another stage: deferred
+    deferred = stage.apply_async((9,), **routed)
+    wait_for("a deferred copy", lambda: deferrals, TIMEOUT)
+    store.release(lease, success=False, done_ttl_ms=60_000)
+    assert deferrals[0].endswith("." + f"{WORK_QUEUE}.#"), deferrals[0]
+    assert deferred.get(timeout=TIMEOUT) == 9
+    assert redo.apply_async((9, 1.0), **routed).get(timeout=TIMEOUT) == 9
