@@ -97,7 +97,7 @@ def redo(celery_app: Celery) -> Any:
 @pytest.fixture
 def work_worker(celery_app: Celery, stage: Any, redo: Any) -> Iterator[TestWorkController]:
     """A worker of the work queue alone, as a dedicated pool would be; both queues declared
-    first (as their own workers would), and deleted after."""
+    first (as their own workers would), and deleted after, with their exchanges."""
     with celery_app.connection_for_write() as connection:
         for queue in celery_app.conf.task_queues:
             queue(connection.default_channel).declare()
@@ -108,6 +108,7 @@ def work_worker(celery_app: Celery, stage: Any, redo: Any) -> Iterator[TestWorkC
         with celery_app.connection_for_write() as connection:
             for name in (DEFAULT_QUEUE, WORK_QUEUE):
                 connection.default_channel.queue_delete(name)
+                connection.default_channel.exchange_delete(name)
 
 
 @pytest.fixture
