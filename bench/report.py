@@ -215,6 +215,15 @@ def _bytes(size: dict[str, Any]) -> str:
     return f"{size['median_bytes']:.0f} ({size['low']}..{size['high']})"
 
 
+def _ttl(store: dict[str, Any], kind: str) -> str:
+    """The TTLs of one kind of key, in seconds; a run made before kinds were told apart
+    recorded one range over every key."""
+    by_kind = store.get("ttl_s_by_kind")
+    ttl = by_kind[kind] if by_kind is not None else store["ttl_s"]
+    ttl = ttl or {"min": 0, "max": 0}
+    return f"{ttl['min']:.0f}..{ttl['max']:.0f}"
+
+
 def _replaced(run: dict[str, Any]) -> str:
     """A warning where a pool process was replaced mid-run: its growth was not measured, so a
     small figure proves nothing."""
@@ -255,19 +264,18 @@ def memory_tables(result: dict[str, Any]) -> str:
     )
     store = result["store"]
     keys, sizes = store["keys"], store["memory_usage"]
-    ttl = store["ttl_s"] or {"min": 0, "max": 0}
     store_rows: list[tuple[Any, ...]] = [
         ("leases", keys["leases"], "-", "-"),
         (
             "done-markers",
             keys["done_markers"],
-            f"{ttl['min']:.0f}..{ttl['max']:.0f}",
+            _ttl(store, "done_markers"),
             _bytes(sizes["done_markers"]),
         ),
         (
             "fence counters",
             keys["fences"],
-            f"{ttl['min']:.0f}..{ttl['max']:.0f}",
+            _ttl(store, "fences"),
             _bytes(sizes["fences"]),
         ),
         ("other", keys["other"], "-", "-"),

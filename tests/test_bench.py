@@ -359,3 +359,29 @@ def test_cpu_is_read_finer_than_the_kernels_ticks() -> None:
         finally:
             child.kill()
     assert cpu_seconds(child.pid) == 0.0  # gone
+
+
+def test_each_kind_of_key_in_the_lock_store_shows_its_own_ttl(lock_redis: Any) -> None:
+    """Done-markers live the done TTL, fence counters a lease TTL longer: the memory table must
+    not show one range, pooled over both kinds, against each."""
+    from bench import memory  # noqa: PLC0415 - bench is a directory of the repository
+
+    for n in range(3):
+        lock_redis.set(f"celery-lock:{{s:{n}}}:done:bench.locked", "x", px=100_000)
+        lock_redis.set(f"celery-lock:{{s:{n}}}:fence", n + 1, px=200_000)
+    store = memory.store_contents(lock_redis, sample_keys=10)
+    checkpoint = {"tasks": 0, "pool_kib": [1024], "main_kib": 1024, "lock_store_clients": 0}
+    run = {
+        "checkpoints": [checkpoint, {**checkpoint, "tasks": 3}],
+        "pool_growth_kib": [0],
+        "pool_growth_second_half_kib": [0],
+        "main_growth_kib": 0,
+    }
+    tables = report.memory_tables({"runs": {"celery-lock": run}, "store": store})
+    rows = {
+        cells[0]: cells
+        for line in tables.splitlines()
+        if (cells := [cell.strip() for cell in line.split("|")[1:-1]])
+    }
+    assert rows["done-markers"][1:3] == ["3", "100..100"]
+    assert rows["fence counters"][1:3] == ["3", "200..200"]
