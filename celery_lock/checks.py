@@ -209,7 +209,6 @@ def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
     """Whether the lock store cannot be reached, may evict leases, or shuts its user out of
     the keys under one of ``prefixes``; empty if it cannot tell."""
     address = address_of(store.client)
-    found = [warning for prefix in prefixes for warning in _key_permission_warnings(store, prefix)]
     try:
         config: dict[Any, Any] = store.client.config_get("maxmemory*")
     except REFUSED_ERRORS as exc:  # connection errors too: test them first
@@ -233,7 +232,9 @@ def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
                 f"lock store {address} refused the connection: {_text(exc)}; tasks will fail "
                 "until the lock store URL, or its user's permissions, are fixed"
             ]
-        return found
+        return _key_permission_warnings(store, prefixes)
+    # Asked once the store answered: an unreachable one would cost a connect timeout more.
+    found = _key_permission_warnings(store, prefixes)
     policy = str(config.get("maxmemory-policy", "noeviction"))
     if int(config.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
         found.append(
@@ -272,23 +273,25 @@ def connection_warnings(store: LockStore, bodies: int) -> list[str]:
     ]
 
 
-def _key_permission_warnings(store: LockStore, prefix: str) -> list[str]:
-    """Whether the lock store's user may not use the keys of a request under ``prefix`` (a
-    Redis ACL that confines it to other keys, such as a broker user kept to the broker's
-    ``global_keyprefix``): every acquire would be refused. ``EXISTS`` on a request's three
-    keys, which reads them and writes nothing."""
-    keys = RequestKeys.build(prefix, "celery-lock-probe", "probe", "probe")
-    try:
-        store.client.exists(keys.lock, keys.fence, keys.done)
-    except redis.exceptions.NoPermissionError as exc:
-        return [
-            f"lock store {address_of(store.client)} refused its user the keys under "
-            f"{prefix!r}: {_text(exc)}; every task will fail until the user has permission "
-            f"on {prefix}:* (+@read +@write +@scripting)"
-        ]
-    except redis.RedisError:
-        return []  # unreachable or refused altogether: the checks below say so
-    return []
+def _key_permission_warnings(store: LockStore, prefixes: Iterable[str]) -> list[str]:
+    """Whether the lock store's user may not use the keys of a request under one of
+    ``prefixes`` (a Redis ACL that confines it to other keys, such as a broker user kept to the
+    broker's ``global_keyprefix``): every acquire would be refused. ``EXISTS`` on a request's
+    three keys, which reads them and writes nothing."""
+    found = []
+    for prefix in prefixes:
+        keys = RequestKeys.build(prefix, "celery-lock-probe", "probe", "probe")
+        try:
+            store.client.exists(keys.lock, keys.fence, keys.done)
+        except redis.exceptions.NoPermissionError as exc:
+            found.append(
+                f"lock store {address_of(store.client)} refused its user the keys under "
+                f"{prefix!r}: {_text(exc)}; every task will fail until the user has permission "
+                f"on {prefix}:* (+@read +@write +@scripting)"
+            )
+        except redis.RedisError:
+            break  # gone since it answered: the next task will say so
+    return found
 
 
 def _text(exc: BaseException) -> str:
