@@ -17,6 +17,7 @@ In-process tests (eager calls, ``celery.contrib.pytest``'s ``celery_app``)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import math
 import os
@@ -130,15 +131,16 @@ def hold(
     if ttl is not None and not 0.001 <= ttl < math.inf:
         raise ValueError(f"ttl must be a finite number of seconds, 0.001 or more; got {ttl!r}")
     settings = task.lock_settings()
+    if ttl is not None:
+        settings = dataclasses.replace(settings, ttl=ttl)
     name = task_name or task.name
     own = task.request_keys(tuple(args), dict(kwargs or {}))
     keys = own if name == task.name else RequestKeys.of_lock(own.lock, name)
-    ttl_ms = settings.ttl_ms if ttl is None else int(ttl * 1000)
+    ttl_ms, fence_ttl_ms = settings.ttl_ms, settings.fence_ttl_ms
     store = LockStore.from_url(lock_store_url(task.app, settings))
     try:
         holder = Holder(task_id=task_id, task_name=name, host="celery-lock-test", pid=os.getpid())
         token = new_token()
-        fence_ttl_ms = ttl_ms + max(ttl_ms, settings.done_ttl_ms)
         outcome = store.acquire(keys, token, ttl_ms, holder, fence_ttl_ms)
         if not isinstance(outcome, Acquired):
             raise RuntimeError(f"cannot hold {keys.lock}: {outcome}")
