@@ -27,11 +27,15 @@ def events_worker(
     return spawn_worker("tests.apps.storm_app", worker_env, "-E", concurrency=2)
 
 
-@pytest.mark.parametrize(
+#: A copy skipped as SKIPPED, or completed as SUCCESS with a marker (skip_as_success).
+SKIP_MODES = pytest.mark.parametrize(
     ("task", "copy_state"),
     [("storm.process", SKIPPED), ("storm.process_as_success", "SUCCESS")],
     ids=["skipped", "skip-as-success"],
 )
+
+
+@SKIP_MODES
 def test_skipped_copy_sends_task_skipped_event(
     make_producer: Callable[..., Celery],
     events_worker: CeleryWorker,
@@ -60,11 +64,7 @@ def test_skipped_copy_sends_task_skipped_event(
     assert "kwargs" not in event
 
 
-@pytest.mark.parametrize(
-    ("task", "copy_state"),
-    [("storm.process", SKIPPED), ("storm.process_as_success", "SUCCESS")],
-    ids=["skipped", "skip-as-success"],
-)
+@SKIP_MODES
 def test_task_skipped_names_a_shadowed_call_as_task_received_does(
     make_producer: Callable[..., Celery],
     events_worker: CeleryWorker,

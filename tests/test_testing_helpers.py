@@ -262,16 +262,21 @@ def test_redis_server_startup_failure_quotes_what_the_server_said() -> None:
 # -- CeleryWorker --------------------------------------------------------------------------
 
 
-@pytest.mark.worker
-def test_celery_worker_runs_tasks_and_stops_cleanly(server: RedisServer, tmp_path: Path) -> None:
-    worker = CeleryWorker(
+def echo_worker(server: RedisServer, tmp_path: Path, **options: Any) -> CeleryWorker:
+    """A worker of ``helper_apps.echo_app`` on ``server``, logging into ``tmp_path``."""
+    options.setdefault("concurrency", 1)
+    return CeleryWorker(
         "helper_apps.echo_app",
-        pool="prefork",
-        concurrency=2,
         cwd=HELPER_APPS.parent,
         env={"ECHO_BROKER_URL": server.url},
         logfile=tmp_path / "worker.log",
+        **options,
     )
+
+
+@pytest.mark.worker
+def test_celery_worker_runs_tasks_and_stops_cleanly(server: RedisServer, tmp_path: Path) -> None:
+    worker = echo_worker(server, tmp_path, pool="prefork", concurrency=2)
     client = Celery("echo-client", broker=server.url, backend=server.url)
     try:
         worker.start(timeout=60)
@@ -295,13 +300,7 @@ def test_celery_worker_runs_tasks_and_stops_cleanly(server: RedisServer, tmp_pat
 def test_a_celery_worker_left_running_is_killed_once_the_object_is_gone(
     server: RedisServer, tmp_path: Path
 ) -> None:
-    worker = CeleryWorker(
-        "helper_apps.echo_app",
-        concurrency=1,
-        cwd=HELPER_APPS.parent,
-        env={"ECHO_BROKER_URL": server.url},
-        logfile=tmp_path / "worker.log",
-    )
+    worker = echo_worker(server, tmp_path)
     worker.start(timeout=60)
     pids = [worker.pid, *worker.child_pids()]
     del worker
@@ -540,14 +539,7 @@ def test_a_closed_app_gets_no_heartbeat_from_a_later_worker(locked_app: Celery) 
 def test_a_restarted_celery_worker_keeps_the_earlier_log_and_waits_for_its_own_ready(
     server: RedisServer, tmp_path: Path
 ) -> None:
-    worker = CeleryWorker(
-        "helper_apps.echo_app",
-        concurrency=1,
-        cwd=HELPER_APPS.parent,
-        env={"ECHO_BROKER_URL": server.url},
-        extra_args=["--without-mingle", "--without-gossip"],
-        logfile=tmp_path / "worker.log",
-    )
+    worker = echo_worker(server, tmp_path, extra_args=["--without-mingle", "--without-gossip"])
     try:
         worker.start(timeout=60)
         first = worker.pid
