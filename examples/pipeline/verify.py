@@ -11,7 +11,8 @@ the record of executions:
 1. each stage ran exactly once per request (none missing, none doubled);
 2. no two executions for one request overlap in time, across the stages;
 3. fences are strictly increasing per request, in start order;
-4. the stages of each request ran in order: pending, process, callback.
+4. the stages of each request ran in order: pending, process, callback (the example's order,
+   which a killed pending holder can break: see README.md).
 
 Prints what each stage did (executions, skipped copies, deferrals) and a verdict. Exit status:
 0 all checks hold, 1 a check failed, 2 there is no run to verify.
