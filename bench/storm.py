@@ -1,15 +1,16 @@
 """Duplicate storm: many copies of few requests through a real prefork worker.
 
 10k messages over 1k request ids (ten copies of each, shuffled) go to a four-process worker; the
-task counts each execution of its body. Every request must run exactly once: the other copies
-find the lease held (a copy running now) or the done-marker (a copy that finished) and are
-skipped. The storm's time is set against 10k messages of a plain no-op task on the same worker,
-pairwise, round by round.
+task counts each execution of its body, per request id. Every request must run exactly once:
+the other copies find the lease held (a copy running now) or the done-marker (a copy that
+finished) and are skipped. The storm's time is set against 10k messages of a plain no-op task
+on the same worker, pairwise, round by round.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,20 @@ class Options:
         return 60 + self.messages / 20
 
 
+def miscounted_requests(counts: Mapping[bytes | str, bytes | str], requests: int) -> list[str]:
+    """The requests of one storm round not run exactly once, from the executions counted per
+    request id (``counts``), as ``"<id> ran <n> times"``: a total alone would let a request run
+    twice hide behind one that never ran."""
+    found = [
+        f"{idx.decode() if isinstance(idx, bytes) else idx} ran {int(n)} times"
+        for idx, n in sorted(counts.items(), key=lambda item: int(item[0]))
+        if int(n) != 1
+    ]
+    if len(counts) < requests:
+        found.append(f"{requests - len(counts)} never ran")
+    return found
+
+
 def run(server: RedisServer, options: Options) -> dict[str, Any]:
     """Run storms and plain batches alternately; check every storm's execution count."""
     module = bench_app(server)
@@ -46,6 +61,7 @@ def run(server: RedisServer, options: Options) -> dict[str, Any]:
         name: {"publish_s": [], "drain_s": [], "drain_cpu_s": []} for name in (STORM, PLAIN)
     }
     executions: list[int] = []
+    miscounted: list[str] = []
     next_id = 0
     try:
         with running_worker(server, module.app, options.processes) as worker:
@@ -71,15 +87,18 @@ def run(server: RedisServer, options: Options) -> dict[str, Any]:
                     samples[name]["drain_s"].append(drained.seconds)
                     samples[name]["drain_cpu_s"].append(drained.cpu_seconds)
                     if name == STORM:
-                        executions.append(int(record.get(module.EXECUTIONS_KEY) or 0))
+                        counts = record.hgetall(module.EXECUTIONS_KEY)
+                        executions.append(sum(int(n) for n in counts.values()))
+                        miscounted += miscounted_requests(counts, options.requests)
         leases_left = sum(1 for _ in lock_store.scan_iter(match="*:lock", count=1000))
     finally:
         lock_store.flushdb()
         lock_store.close()
         record.close()
-    if any(n != options.requests for n in executions) or leases_left:
+    if any(n != options.requests for n in executions) or miscounted or leases_left:
         raise BenchError(
             f"storm: executions per round {executions} (expected {options.requests} each), "
+            f"requests not run exactly once: {miscounted[:10] or 'none'}, "
             f"{leases_left} leases left in the store"
         )
     storm, plain = samples[STORM]["drain_s"], samples[PLAIN]["drain_s"]

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from programs import run_program
 
-from bench import cachegrind, report, stats
+from bench import cachegrind, report, stats, storm
 from bench.endtoend import LOCKED, PLAIN
 from bench.lockcycle import BARE, FLOOR, LEAN, SCRIPTED_FLOOR
 from bench.report import headline
@@ -429,3 +429,12 @@ def test_profile_times_locked_and_plain_calls_in_balanced_order(
     assert [sorted(names) for names in by_round] == [["locked", "plain"]] * 4
     firsts = [names[0] for names in by_round]
     assert sorted(firsts[:2]) == sorted(firsts[2:]) == ["locked", "plain"]
+
+
+def test_a_storm_round_finds_a_request_run_twice_beside_one_never_run() -> None:
+    """The storm checked only the total of executions: a request run twice and another never
+    run gave the right total and passed."""
+    exact = {b"0": b"1", b"1": b"1", b"2": b"1"}
+    assert storm.miscounted_requests(exact, 3) == []
+    swapped = {b"0": b"2", b"1": b"1"}  # 3 executions over 3 requests, all the same
+    assert storm.miscounted_requests(swapped, 3) == ["0 ran 2 times", "1 never ran"]

@@ -115,11 +115,12 @@ _record: redis.Redis | None = None
 
 @app.task(base=LockedTask, name="bench.storm", lock_key="request_idx")
 def storm(request_idx: int) -> None:
-    """Counts its executions (one INCR), so a storm can check it ran once per request."""
+    """Counts its executions per request (one HINCRBY), so a storm can check each request ran
+    once."""
     global _record  # noqa: PLW0603 - one client per process, created after fork
     if _record is None:
         _record = redis.Redis.from_url(RECORD_URL)
-    _record.incr(EXECUTIONS_KEY)
+    _record.hincrby(EXECUTIONS_KEY, str(request_idx), 1)
 
 
 def _define_peers() -> dict[str, Task[Any, Any]]:
