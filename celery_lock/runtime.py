@@ -13,7 +13,7 @@ import ssl
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode
 
 from celery import Celery
 
@@ -70,24 +70,39 @@ _KOMBU_URL_ARGUMENTS = {
 }
 
 
+#: A URL query as ``(name, value)`` pairs, in order.
+_Query = list[tuple[str, str]]
+
+
+def _with_query(url: str, rewrite: Callable[[_Query], _Query]) -> str:
+    """``url`` with its query's ``(name, value)`` pairs rewritten; ``url`` itself, untouched,
+    where ``rewrite`` changes nothing (so a URL redis-py took before is passed on as it was)."""
+    base, _, query = url.partition("?")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    rewritten = rewrite(pairs)
+    if rewritten == pairs:
+        return url
+    return f"{base}?{urlencode(rewritten)}" if rewritten else base
+
+
 def _without_kombus_own_arguments(broker: str) -> str:
     """A broker URL with the query arguments kombu reads for itself (``?heartbeat=10``) taken
     off, or given as redis-py names them (``connect_timeout``), so that a URL the broker's
     connection takes gives a lock store URL redis-py takes."""
-    base, mark, query = broker.partition("?")
-    pairs = parse_qsl(query, keep_blank_values=True)
-    if not mark or not any(name in _KOMBU_URL_ARGUMENTS for name, _ in pairs):
-        return broker
-    given = {name for name, _ in pairs}
-    kept = []
-    for name, value in pairs:
-        if name not in _KOMBU_URL_ARGUMENTS:
-            kept.append((name, value))
-            continue
-        redis_name = _KOMBU_URL_ARGUMENTS[name]
-        if redis_name is not None and redis_name not in given:
-            kept.append((redis_name, value))
-    return f"{base}?{urlencode(kept)}" if kept else base
+
+    def rewrite(pairs: _Query) -> _Query:
+        given = {name for name, _ in pairs}
+        kept: _Query = []
+        for name, value in pairs:
+            if name not in _KOMBU_URL_ARGUMENTS:
+                kept.append((name, value))
+                continue
+            redis_name = _KOMBU_URL_ARGUMENTS[name]
+            if redis_name is not None and redis_name not in given:
+                kept.append((redis_name, value))
+        return kept
+
+    return _with_query(broker, rewrite)
 
 
 # kombu reads a broker URL's ssl_cert_reqs in Celery's spelling too; redis-py only in its own.
@@ -104,22 +119,25 @@ def _with_broker_ssl(app: Celery, broker: str) -> str:
     options of ``broker_use_ssl`` (a dict) that it does not give itself added to its query, so
     that the lock store on the broker's server connects as kombu does, trusting the same CA
     (``ssl_ca_certs``) and showing the same client certificate."""
-    parts = urlsplit(broker)
-    query = [
-        (name, _CERT_REQS_SPELLED_BY_REDIS_PY.get(value, value))
-        if name == "ssl_cert_reqs"
-        else (name, value)
-        for name, value in parse_qsl(parts.query, keep_blank_values=True)
-    ]
-    given = {name for name, _ in query}
-    options = app.conf.broker_use_ssl
-    if isinstance(options, Mapping):
-        query += [
-            (name, _query_value(value))
-            for name, value in options.items()
-            if name not in given and value is not None
+
+    def rewrite(pairs: _Query) -> _Query:
+        query = [
+            (name, _CERT_REQS_SPELLED_BY_REDIS_PY.get(value, value))
+            if name == "ssl_cert_reqs"
+            else (name, value)
+            for name, value in pairs
         ]
-    return urlunsplit(parts._replace(query=urlencode(query)))
+        given = {name for name, _ in query}
+        options = app.conf.broker_use_ssl
+        if isinstance(options, Mapping):
+            query += [
+                (name, _query_value(value))
+                for name, value in options.items()
+                if name not in given and value is not None
+            ]
+        return query
+
+    return _with_query(broker, rewrite)
 
 
 def _query_value(value: Any) -> str:
@@ -136,13 +154,14 @@ def _query_value(value: Any) -> str:
 def _socket_broker_as_redis_url(broker: str) -> str:
     """Celery's URL of a Redis broker on a unix socket, ``redis+socket:///path?virtual_host=N``,
     as redis-py writes it: ``unix:///path?db=N``."""
-    parts = urlsplit(broker)
-    query = [
-        ("db", value.lstrip("/")) if name == "virtual_host" else (name, value)
-        for name, value in parse_qsl(parts.query, keep_blank_values=True)
-    ]
-    url = f"unix://{parts.netloc}{parts.path}"  # urlunsplit would drop an empty netloc's //
-    return f"{url}?{urlencode(query)}" if query else url
+
+    def rewrite(pairs: _Query) -> _Query:
+        return [
+            ("db", value.lstrip("/")) if name == "virtual_host" else (name, value)
+            for name, value in pairs
+        ]
+
+    return _with_query("unix" + broker.removeprefix("redis+socket"), rewrite)
 
 
 class Runtime:
