@@ -32,6 +32,7 @@ prefix.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import sys
@@ -298,22 +299,30 @@ def _text(exc: BaseException) -> str:
     return str(exc).rstrip(".")  # redis-py ends some messages with a full stop; ours go on
 
 
-def _prefixes_by_store(app: Celery) -> dict[str, set[str]]:
-    """The key prefixes the app's tasks use, by the URL of their lock store (the app's
-    settings as a task without options of its own would use them)."""
+def store_prefixes(app: Celery) -> dict[str, set[str]]:
+    """The lock stores the app's tasks use, by URL, each with the key prefixes used on it (the
+    app's own settings count as a task without options of its own would use them).
+
+    Raises:
+        ConfigurationError: a ``LockedTask`` has no lock store, naming the task: it may be one
+            the app never declared (a task of another app in the process, shared with every
+            app by Celery's default ``shared=True``).
+    """
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 
     found: dict[str, set[str]] = {}
-    settings = [LockSettings.resolve(app.conf)]
-    settings += [
-        task.lock_settings() for task in app.tasks.values() if isinstance(task, LockedTask)
-    ]
-    for each in settings:
+    app_settings = LockSettings.resolve(app.conf)
+    with contextlib.suppress(ConfigurationError):  # no app-wide store: each task names its own
+        found[lock_store_url(app, app_settings)] = {app_settings.key_prefix}
+    for task in app.tasks.values():
+        if not isinstance(task, LockedTask):
+            continue
+        settings = task.lock_settings()
         try:
-            url = lock_store_url(app, each)
-        except ConfigurationError:
-            continue  # no store: nothing to check
-        found.setdefault(url, set()).add(each.key_prefix)
+            url = lock_store_url(app, settings)
+        except ConfigurationError as exc:
+            raise ConfigurationError(exc.setting, f"{exc.problem} (task {task.name})") from exc
+        found.setdefault(url, set()).add(settings.key_prefix)
     return found
 
 
@@ -339,7 +348,10 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore], bodies: int = 1) 
             settings = task.lock_settings()
             if settings != LockSettings.resolve(app.conf):
                 found += settings_warnings(app, task.name, settings)
-    prefixes = _prefixes_by_store(app)
+    try:
+        prefixes = store_prefixes(app)
+    except ConfigurationError:
+        prefixes = {}  # a task without a store: a worker refuses to start before this
     for url, store in stores.items():
         found += connection_warnings(store, bodies)
         found += store_warnings(store, sorted(prefixes.get(url, ())))

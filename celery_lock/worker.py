@@ -26,11 +26,11 @@ from celery import _state as celery_state
 from celery.app import utils as celery_app_utils
 from celery.signals import worker_process_init, worker_process_shutdown
 
-from .checks import bodies_per_process, warn_at_startup
+from .checks import bodies_per_process, store_prefixes, warn_at_startup
 from .config import DUPLICATE_POLICIES, LockSettings, check_value
 from .events import wait_for_events_apart
 from .exceptions import ConfigurationError
-from .runtime import get_runtime, lock_store_url, reset_runtime
+from .runtime import get_runtime, reset_runtime
 from .store import LockStore
 
 __all__ = ["LockStep", "install"]
@@ -93,13 +93,7 @@ class LockStep(bootsteps.Step):
     def _check(app: Celery, bodies: int) -> None:
         """Warn about settings that contradict the guarantees (see :mod:`celery_lock.checks`);
         ``bodies``: how many task bodies a worker process runs at once."""
-        from .task import LockedTask  # noqa: PLC0415 - task imports this module
-
-        urls = {lock_store_url(app, LockSettings.resolve(app.conf))} if _has_store(app) else set()
-        for task in app.tasks.values():
-            if isinstance(task, LockedTask):
-                urls.add(_store_url_of(app, task))
-        stores = {url: LockStore.from_url(url) for url in urls}
+        stores = {url: LockStore.from_url(url) for url in store_prefixes(app)}
         try:
             warn_at_startup(app, stores, bodies)
         finally:
@@ -258,25 +252,3 @@ def _hide_lock_store_url_in_reports() -> None:
         celery_app_utils.HIDDEN_SETTINGS = re.compile(  # type: ignore[attr-defined]
             f"{hidden.pattern}|LOCK_REDIS_URL", hidden.flags
         )
-
-
-def _store_url_of(app: Celery, task: Any) -> str:
-    """The lock store URL of ``task``.
-
-    Raises:
-        ConfigurationError: the task has none, naming the task: it may be one the app never
-            declared (a task of another app in the process, shared with every app by
-            Celery's default ``shared=True``).
-    """
-    try:
-        return lock_store_url(app, task.lock_settings())
-    except ConfigurationError as exc:
-        raise ConfigurationError(exc.setting, f"{exc.problem} (task {task.name})") from exc
-
-
-def _has_store(app: Celery) -> bool:
-    try:
-        lock_store_url(app, LockSettings.resolve(app.conf))
-    except ConfigurationError:
-        return False  # no app-wide store: every task names its own
-    return True
