@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from conftest import hold, wait_for
+from recording import recording
 
 from celery_lock import LockedTask, signals
 from celery_lock.store import LockStore
@@ -35,19 +36,13 @@ def reserve(celery_app: Celery) -> Any:
 
 
 @pytest.fixture
-def deferred() -> Iterator[list[str]]:
-    reasons: list[str] = []
-
-    def on_deferred(reason: str, **_: Any) -> None:
-        reasons.append(reason)
-
-    signals.lock_deferred.connect(on_deferred, weak=False)
-    yield reasons
-    signals.lock_deferred.disconnect(on_deferred)
+def deferred() -> Iterator[list[dict[str, Any]]]:
+    with recording(signals.lock_deferred) as sent:
+        yield sent
 
 
 def test_a_pickled_copy_is_deferred_as_pickle(
-    reserve: Any, celery_worker: Any, store: LockStore, deferred: list[str]
+    reserve: Any, celery_worker: Any, store: LockStore, deferred: list[dict[str, Any]]
 ) -> None:
     """Published again with the task's serializer (JSON), a copy whose argument JSON cannot
     carry (a set) failed to publish each time, and came straight back: never deferred, tried
@@ -55,7 +50,7 @@ def test_a_pickled_copy_is_deferred_as_pickle(
     lease = hold(store, reserve, {"hat", "socks"}, "other-stage-id", "s.other")
     result = reserve.apply_async(({"hat", "socks"},), serializer="pickle")
     wait_for("the copy to be deferred", lambda: deferred, TIMEOUT)
-    assert deferred[0] == "contention"
+    assert deferred[0]["reason"] == "contention"
     store.release(lease, success=False, done_ttl_ms=60_000)  # the other stage is done
     assert result.get(timeout=TIMEOUT) == "set"  # pickled all the way
 

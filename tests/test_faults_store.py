@@ -44,6 +44,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController
 from conftest import command_calls, settle, wait_for
+from recording import recording
 from redis.backoff import NoBackoff
 from redis.credentials import CredentialProvider
 from redis.retry import Retry
@@ -312,14 +313,8 @@ def worker(tasks: dict[str, Any], celery_worker: TestWorkController) -> TestWork
 @pytest.fixture
 def deferred() -> Iterator[list[dict[str, Any]]]:
     """Every ``lock_deferred`` signal sent during the test."""
-    sent: list[dict[str, Any]] = []
-
-    def on_deferred(sender: Any, **kwargs: Any) -> None:
-        sent.append({**kwargs, "at": time.monotonic()})
-
-    signals.lock_deferred.connect(on_deferred, weak=False)
-    yield sent
-    signals.lock_deferred.disconnect(on_deferred)
+    with recording(signals.lock_deferred) as sent:
+        yield sent
 
 
 # -- 1. the lock store is down when a task arrives --------------------------------------------
@@ -601,13 +596,7 @@ def test_store_down_mid_run_loses_lease_after_ttl_and_task_still_succeeds(
     bodies: Bodies,
     logs: Records,
 ) -> None:
-    lost: list[float] = []
-
-    def on_lost(sender: Any, **_: Any) -> None:
-        lost.append(time.monotonic())
-
-    signals.lock_lost.connect(on_lost, weak=False)
-    try:
+    with recording(signals.lock_lost) as lost:
         result = tasks["slow"].delay(7)
         assert bodies.started.wait(TIMEOUT)
         stopped = time.monotonic()
@@ -615,32 +604,25 @@ def test_store_down_mid_run_loses_lease_after_ttl_and_task_still_succeeds(
         wait_for("lock_lost", lambda: lost, TIMEOUT)
         bodies.proceed.set()
         assert result.get(timeout=TIMEOUT) is True  # the body saw request.lock_lost
-    finally:
-        signals.lock_lost.disconnect(on_lost)
     assert result.state == "SUCCESS"
+    lost_after = lost[0]["at"] - stopped
     # Lost once a whole TTL (1.2 s) passed since the last confirmation, which came at most
     # one interval (0.4 s) before the stop: not before TTL - interval, nor long after TTL.
-    assert 0.8 - 0.1 <= lost[0] - stopped <= 1.2 + 0.4 + 1.0
+    assert 0.8 - 0.1 <= lost_after <= 1.2 + 0.4 + 1.0
     assert logs.messages(logging.ERROR, "release of")
     assert logs.messages(logging.WARNING, "heartbeat could not extend")
     # The process recovers: once the store is back, the next task runs locked.
     lock_server.start()
     assert tasks["work"].delay(8).get(timeout=TIMEOUT) == 8
     assert bodies.runs[-1]["fence"] == 1
-    print(f"\nlease lost {lost[0] - stopped:.2f}s after the store stopped (TTL 1.2 s)")
+    print(f"\nlease lost {lost_after:.2f}s after the store stopped (TTL 1.2 s)")
 
 
 @pytest.fixture
 def released() -> Iterator[list[dict[str, Any]]]:
     """Every ``lock_released`` signal sent during the test."""
-    sent: list[dict[str, Any]] = []
-
-    def on_released(sender: Any, **kwargs: Any) -> None:
-        sent.append(kwargs)
-
-    signals.lock_released.connect(on_released, weak=False)
-    yield sent
-    signals.lock_released.disconnect(on_released)
+    with recording(signals.lock_released) as sent:
+        yield sent
 
 
 def test_a_release_refused_for_now_is_tried_again_while_the_lease_lasts(

@@ -23,6 +23,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import before_task_publish, task_postrun
 from conftest import hold, wait_for
 from kombu.exceptions import EncodeError
+from recording import recording
 
 import celery_lock.events
 import celery_lock.task
@@ -432,19 +433,11 @@ def test_redelivery_of_succeeded_message_keeps_success(
 def test_redelivered_copy_of_running_message_is_deferred_until_holder_ends(
     worker: Any, tasks: dict[str, Any], store: LockStore, calls: Calls, lock_redis: redis.Redis
 ) -> None:
-    deferred: list[dict[str, Any]] = []
-
-    def on_deferred(sender: Any, **kwargs: Any) -> None:
-        deferred.append(kwargs)
-
-    signals.lock_deferred.connect(on_deferred, weak=False)
-    try:
+    with recording(signals.lock_deferred) as deferred:
         lease = hold(store, tasks["process"], 7, "same-id")
         lock_redis.pexpire(lease.keys.lock, 3000)  # its holder died: the lease lapses by TTL
         result = tasks["process"].apply_async((7,), task_id="same-id")
         assert result.get(timeout=TIMEOUT) == "processed 7"
-    finally:
-        signals.lock_deferred.disconnect(on_deferred)
     assert deferred
     assert {d["reason"] for d in deferred} == {"redelivered"}
     [call] = calls.seen
@@ -562,24 +555,18 @@ def test_heartbeat_keeps_lease_of_long_task(
 def test_lost_lease_is_reported_to_body_and_signal(
     worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
 ) -> None:
-    lost: list[str] = []
-
-    def on_lost(sender: Any, lock_key: str, **_: Any) -> None:
-        lost.append(lock_key)
-
-    signals.lock_lost.connect(on_lost, weak=False)
-    try:
-        result = tasks["slow"].delay(7)
-        assert calls.started.wait(TIMEOUT)
-        keys = tasks["slow"].request_keys((7,), {})
-        lock_redis.set(keys.lock, "someone-else 99 {}", keepttl=True)  # the lease is taken over
-        wait_for("lock_lost", lambda: lost, TIMEOUT)
-        calls.proceed.set()
-        assert result.get(timeout=TIMEOUT) is True
-    finally:
-        calls.proceed.set()  # never leave the body waiting on a failed test
-        signals.lock_lost.disconnect(on_lost)
-    assert lost == [keys.lock]
+    with recording(signals.lock_lost) as lost:
+        try:
+            result = tasks["slow"].delay(7)
+            assert calls.started.wait(TIMEOUT)
+            keys = tasks["slow"].request_keys((7,), {})
+            lock_redis.set(keys.lock, "someone-else 99 {}", keepttl=True)  # taken over
+            wait_for("lock_lost", lambda: lost, TIMEOUT)
+            calls.proceed.set()
+            assert result.get(timeout=TIMEOUT) is True
+        finally:
+            calls.proceed.set()  # never leave the body waiting on a failed test
+    assert [sent["lock_key"] for sent in lost] == [keys.lock]
     assert not lock_redis.exists(keys.done)
 
 
@@ -963,22 +950,14 @@ def test_a_long_deferred_copy_waits_no_longer_than_the_holders_lease(
 ) -> None:
     """After ten deferrals the backoff alone is 512 s: the holder's remaining lease (2 s here)
     caps it, give or take the jitter, so the copy is not kept waiting after the holder ends."""
-    deferred: list[float] = []
-
-    def on_deferred(sender: Any, countdown: float, **_: Any) -> None:
-        deferred.append(countdown)
-
     lease = hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
     lock_redis.pexpire(lease.keys.lock, 2000)
-    signals.lock_deferred.connect(on_deferred, weak=False)
-    try:
+    with recording(signals.lock_deferred) as deferred:
         result = tasks["stage"].apply_async((7,), headers={DEFERRALS_HEADER: 10})
         wait_for("the copy to be deferred", lambda: deferred, TIMEOUT)
         store.release(lease, success=False, done_ttl_ms=60_000)
         assert result.get(timeout=TIMEOUT) == "stage"
-    finally:
-        signals.lock_deferred.disconnect(on_deferred)
-    assert 0 < deferred[0] <= 2.0 * 1.2
+    assert 0 < deferred[0]["countdown"] <= 2.0 * 1.2
 
 
 @pytest.mark.parametrize("pttl_ms", [0, 600_000], ids=["store-down", "ten-minute-lease"])
