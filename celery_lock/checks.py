@@ -25,9 +25,9 @@
   ``CELERY_LOCK_TTL`` setting as ``lock_ttl`` too, but it is read, as ``CELERY_LOCK_TTL``: see
   :meth:`celery_lock.LockSettings.resolve`.)
 
-Each check reads settings, plus, on each lock store, one ``CONFIG GET`` (the eviction check is
-skipped where the server refuses it, as managed services often do) and one ``EXISTS`` per key
-prefix.
+Each check reads settings, plus, on each lock store, one ``CONFIG GET`` (where the server
+refuses it, as managed services often do, ``INFO memory`` instead; the eviction check is skipped
+where both are refused) and one ``EXISTS`` per key prefix.
 """
 
 from __future__ import annotations
@@ -223,9 +223,9 @@ def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
             "unlocked under fail_open) until it is"
         ]
     except redis.RedisError as exc:
-        # CONFIG denied (a managed service, an ACL): cannot tell. Unless connecting itself was
-        # refused (a SELECT the user may not send, a database out of range), which fails every
-        # command: a command any lock store user may send tells which.
+        # CONFIG denied (a managed service, an ACL). Unless connecting itself was refused (a
+        # SELECT the user may not send, a database out of range), which fails every command: a
+        # command any lock store user may send tells which.
         try:
             reach(store.client)
         except redis.RedisError:
@@ -233,7 +233,7 @@ def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
                 f"lock store {address} refused the connection: {_text(exc)}; tasks will fail "
                 "until the lock store URL, or its user's permissions, are fixed"
             ]
-        return _key_permission_warnings(store, prefixes)
+        config = _memory_settings_from_info(store.client)
     # Asked once the store answered: an unreachable one would cost a connect timeout more.
     found = _key_permission_warnings(store, prefixes)
     policy = str(config.get("maxmemory-policy", "noeviction"))
@@ -243,6 +243,22 @@ def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
             "a second copy run; use maxmemory-policy noeviction"
         )
     return found
+
+
+def _memory_settings_from_info(client: redis.Redis) -> dict[str, Any]:
+    """``maxmemory`` and ``maxmemory-policy`` as ``INFO memory`` shows them, for a store that
+    refuses ``CONFIG GET``: managed services (ElastiCache, whose default policy is
+    ``volatile-lru``, Memorystore) disable ``CONFIG`` but answer ``INFO``. Empty (cannot tell)
+    where ``INFO`` is refused too (an ACL user kept to ``@read @write @scripting``)."""
+    try:
+        info = client.info("memory")
+    except redis.RedisError as exc:
+        logger.debug("celery-lock: cannot read the lock store's eviction policy: %s", exc)
+        return {}
+    return {
+        "maxmemory": info.get("maxmemory", 0),
+        "maxmemory-policy": info.get("maxmemory_policy", "noeviction"),
+    }
 
 
 #: The pools that run several task bodies in one process, each with a lock store connection

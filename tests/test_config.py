@@ -546,6 +546,33 @@ def test_an_unreachable_lock_store_is_warned_about() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("policy", "warned"), [("volatile-lru", True), ("allkeys-random", True), ("noeviction", False)]
+)
+def test_a_store_that_refuses_config_get_is_checked_for_eviction_by_info(
+    policy: str, warned: bool
+) -> None:
+    """Managed services (ElastiCache, whose default policy is volatile-lru; Memorystore)
+    disable CONFIG but answer INFO: the start-up check must not go silent there, since every
+    key celery-lock writes has a TTL and any policy but noeviction can evict it."""
+    disabled = ["--rename-command", "CONFIG", '""']
+    with RedisServer(
+        extra_args=["--maxmemory", "50mb", "--maxmemory-policy", policy, *disabled]
+    ) as server:
+        store = LockStore.from_url(server.url)
+        try:
+            with pytest.raises(redis.ResponseError, match="unknown command"):
+                store.client.config_get("maxmemory*")
+            found = checks.store_warnings(store)
+        finally:
+            store.client.close()
+    if warned:
+        [warning] = found
+        assert f"may evict keys (maxmemory-policy {policy})" in warning
+    else:
+        assert found == []
+
+
 @pytest.mark.parametrize("module", [config, checks], ids=lambda m: m.__name__)
 def test_api_page_calls_list_the_real_parameters(module: Any) -> None:
     """docs/api.md writes ``warn_at_startup(app, stores)``, not ``warn_at_startup(app)``."""
