@@ -11,6 +11,8 @@
   one missed beat, the next has less than an interval's margin before the lease lapses;
 * a lock store that may evict keys (``maxmemory`` with a policy other than ``noeviction``):
   an evicted lease lets a second copy in while the first still runs;
+* a lock store that is a replica (a reader endpoint): it refuses every grant (``READONLY``),
+  and tasks are deferred until it is promoted;
 * a lock store that cannot be reached (or refuses the user or password, or the connection):
   until it can, tasks are deferred (or fail); a warning, since it may come up later;
 * a lock store URL whose ``?max_connections=`` is below the task bodies a process runs at once
@@ -27,7 +29,7 @@
 
 Each check reads settings, plus, on each lock store, one ``CONFIG GET`` (where the server
 refuses it, as managed services often do, ``INFO memory`` instead; the eviction check is skipped
-where both are refused) and one ``EXISTS`` per key prefix.
+where both are refused), one ``INFO replication`` and one ``EXISTS`` per key prefix.
 """
 
 from __future__ import annotations
@@ -207,8 +209,8 @@ def unknown_settings(conf: Mapping[str, Any]) -> list[str]:
 
 
 def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
-    """Whether the lock store cannot be reached, may evict leases, or shuts its user out of
-    the keys under one of ``prefixes``; empty if it cannot tell."""
+    """Whether the lock store cannot be reached, may evict leases, is a replica, or shuts its
+    user out of the keys under one of ``prefixes``; empty if it cannot tell."""
     address = address_of(store.client)
     try:
         config: dict[Any, Any] = store.client.config_get("maxmemory*")
@@ -235,7 +237,7 @@ def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
             ]
         config = _memory_settings_from_info(store.client)
     # Asked once the store answered: an unreachable one would cost a connect timeout more.
-    found = _key_permission_warnings(store, prefixes)
+    found = _replica_warnings(store) + _key_permission_warnings(store, prefixes)
     policy = str(config.get("maxmemory-policy", "noeviction"))
     if int(config.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
         found.append(
@@ -243,6 +245,24 @@ def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
             "a second copy run; use maxmemory-policy noeviction"
         )
     return found
+
+
+def _replica_warnings(store: LockStore) -> list[str]:
+    """Whether the lock store is a replica (a reader endpoint, a node demoted before the worker
+    started): it refuses every grant (``READONLY``), which the store takes for a failover in
+    progress and defers, for as long as the worker runs. Empty where ``INFO`` is refused."""
+    try:
+        info = store.client.info("replication")
+    except redis.RedisError:
+        return []
+    if info.get("role") != "slave":
+        return []
+    primary = f"{info.get('master_host', '?')}:{info.get('master_port', '?')}"
+    return [
+        f"lock store {address_of(store.client)} is a replica of {primary}: it refuses the "
+        "leases' writes (READONLY), or with replica-read-only off keeps them from the primary; "
+        "tasks will be deferred until it is promoted: point the lock store URL at the primary"
+    ]
 
 
 def _memory_settings_from_info(client: redis.Redis) -> dict[str, Any]:

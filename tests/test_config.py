@@ -573,6 +573,22 @@ def test_a_store_that_refuses_config_get_is_checked_for_eviction_by_info(
         assert found == []
 
 
+def test_a_lock_store_that_is_a_replica_is_warned_about() -> None:
+    """A lock store URL that leads to a replica (a reader endpoint, a node demoted before the
+    worker started) refuses every grant with READONLY: each new request is deferred for as long
+    as the worker runs, and each try logs "no longer a primary", as after a failover."""
+    with RedisServer() as primary, RedisServer() as replica:
+        with replica.client() as admin:
+            admin.replicaof("127.0.0.1", primary.port)
+        store = LockStore.from_url(replica.url)
+        try:
+            [warning] = checks.store_warnings(store)
+        finally:
+            store.client.close()
+    assert warning.startswith(f"lock store 127.0.0.1:{replica.port} is a replica of ")
+    assert f":{primary.port}" in warning
+
+
 @pytest.mark.parametrize("module", [config, checks], ids=lambda m: m.__name__)
 def test_api_page_calls_list_the_real_parameters(module: Any) -> None:
     """docs/api.md writes ``warn_at_startup(app, stores)``, not ``warn_at_startup(app)``."""
