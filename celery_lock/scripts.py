@@ -40,7 +40,14 @@ __all__ = ["ACQUIRE", "EXTEND", "RELEASE", "Scripts"]
 # 10^14 would read "1e+14", and passed to a command, a TTL of 10^17 ms "1e+17". So the fence is
 # written with %d (exact below 2^53, where a counter stops being one: refused) and TTLs are
 # passed on as the strings they came in as.
+# redis.replicate_commands() first: Redis before 5.0, and 5.0 to 6.2 with
+# `lua-replicate-commands no`, replicate a script by running it again on each replica, and so
+# refuse a write after a command whose answer may differ there, as PTTL's does. This script reads
+# the fence counter's PTTL and may PEXPIRE it and SET the lock next (a request's second grant
+# failed, its fence already taken), as EXTEND does (every extend lost its lease). The call has
+# the server replicate the script's writes instead; Redis 7 always does (a no-op there).
 ACQUIRE = """
+redis.replicate_commands()
 local done = redis.call('GET', KEYS[3])  -- GET, not MGET: MGET reads a key of another type
 if done then                             -- as nil, and garbage must not pass for "free"
     return {'done', done}
@@ -82,7 +89,9 @@ return fence
 #           (never shortened; 0 leaves it alone), so a run that outlasts the TTL the grant gave
 #           it cannot see its counter expire and the next grant's fence start again at 1
 # return 1 if the token still owns the lock and its TTL was reset, 0 if the lease is lost
+# redis.replicate_commands() first: see ACQUIRE.
 EXTEND = """
+redis.replicate_commands()
 local lock = redis.call('GET', KEYS[1])
 local mine = ARGV[1] .. ' '
 if lock and string.sub(lock, 1, #mine) == mine then

@@ -27,6 +27,7 @@ from celery_lock.lease import (
     new_token,
 )
 from celery_lock.store import LockStore
+from celery_lock.testing import RedisServer
 
 HOLDER = Holder(task_id="task-1", task_name="shop.process", host="host-a", pid=101)
 OTHER = Holder(task_id="task-2", task_name="shop.process", host="host-b", pid=202)
@@ -345,3 +346,45 @@ def test_fences_of_one_request_keep_increasing_after_a_quiet_spell(lock_url: str
     store.client.close()
     assert isinstance(outcome, Acquired)
     assert outcome.fence > fences[-1], f"fence went back from {fences[-1]} to {outcome.fence}"
+
+
+def _replicated(primary: redis.Redis, replica: redis.Redis) -> None:
+    """Wait (bounded) until ``replica`` has applied everything ``primary`` has written."""
+    offset = primary.info("replication")["master_repl_offset"]
+    deadline = time.monotonic() + 10
+    while replica.info("replication").get("slave_repl_offset", -1) < offset:
+        assert time.monotonic() < deadline, "the replica did not catch up"
+        time.sleep(0.02)
+
+
+def test_scripts_replicate_their_effects_where_the_server_would_replicate_them_verbatim() -> None:
+    """Redis before 5.0 replicates a script by running it again on each replica, and so does
+    6.2 with ``lua-replicate-commands no``; it then refuses a write after a command whose answer
+    may differ there (``PTTL``). The acquire script reads the counter's ``PTTL`` before it
+    writes the lock, and the extend script after it extended the lease: a second grant of a
+    request failed with an error reply (the task failed unrun, after its fence was taken), and
+    every extend lost its lease. Redis 7 replicates effects only, and ignores the setting."""
+    replicated = ["--lua-replicate-commands", "no"]
+    with (
+        RedisServer(extra_args=replicated) as primary,
+        RedisServer() as replica,
+        primary.client() as writes,
+        replica.client() as copy,
+    ):
+        copy.replicaof("127.0.0.1", primary.port)
+        store = LockStore.from_url(primary.url)
+        try:
+            first = new_token()
+            assert acquire(store, first) == Acquired(fence=1)
+            assert store.release(lease_for(store, first, 1), success=False, done_ttl_ms=1)
+            token = new_token()
+            assert acquire(store, token) == Acquired(fence=2)
+            assert store.extend_all([lease_for(store, token, 2)]) == [True]
+        finally:
+            store.close()
+        _replicated(writes, copy)
+        assert copy.get(KEYS.lock) == writes.get(KEYS.lock)
+        assert copy.get(KEYS.fence) == b"2"
+        assert 0 < copy.pttl(KEYS.lock) <= TTL_MS
+        assert 0 < copy.pttl(KEYS.fence) <= FENCE_TTL_MS
+        copy.replicaof("no", "one")
