@@ -259,9 +259,10 @@ def _replica_warnings(store: LockStore) -> list[str]:
         return []
     primary = f"{info.get('master_host', '?')}:{info.get('master_port', '?')}"
     return [
-        f"lock store {address_of(store.client)} is a replica of {primary}: it refuses the "
-        "leases' writes (READONLY), or with replica-read-only off keeps them from the primary; "
-        "tasks will be deferred until it is promoted: point the lock store URL at the primary"
+        f"lock store {address_of(store.client)} is a replica of {primary}: point the lock "
+        "store URL at the primary. A read-only replica refuses every grant (READONLY), so "
+        "tasks are deferred until it is promoted; a writable one keeps the leases from workers "
+        "that use the primary, and loses them at its next resync"
     ]
 
 
