@@ -1,0 +1,168 @@
+"""Celery's own limits and interruptions of a body, with real prefork workers: time limits,
+pool processes recycled between tasks, and a broker connection lost while a body runs.
+
+Each time the lease is released (no done-marker unless the body returned) well within its
+30 s TTL, and a copy that comes back runs at once with the next fence, never beside the body.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, Task
+from conftest import close_producer, wait_for
+
+from celery_lock.testing import CeleryWorker, RedisServer
+
+pytestmark = pytest.mark.worker
+
+HOLD_KEY = "celery-lock:{storm.hold:1}:lock"
+HOLD_DONE = "celery-lock:{storm.hold:1}:done:storm.hold"
+PROMPTLY = 10.0  # well under the 30 s lease TTL of storm.hold: released, not lapsed
+
+
+@pytest.fixture
+def start_worker(
+    spawn_worker: Callable[..., CeleryWorker], worker_env: dict[str, str]
+) -> Callable[..., CeleryWorker]:
+    """``start_worker(*extra_args, **env)``: a two-process storm_app worker."""
+    return lambda *extra, **env: spawn_worker(
+        "tests.apps.storm_app", {**worker_env, **env}, *extra, concurrency=2
+    )
+
+
+@pytest.fixture
+def producer(worker_env: dict[str, str]) -> Iterator[Celery]:
+    app = Celery("producer", broker=worker_env["STORM_BROKER_URL"],
+                 backend=worker_env["STORM_BACKEND_URL"], set_as_current=False)  # fmt: skip
+    yield app
+    close_producer(app)
+
+
+@pytest.fixture
+def records(worker_env: dict[str, str]) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(worker_env["STORM_RECORD_URL"])
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def locks(worker_env: dict[str, str]) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(worker_env["STORM_LOCK_URL"])
+    yield client
+    client.close()
+
+
+def started_fences(records: redis.Redis) -> list[int]:
+    return [json.loads(raw)["fence"] for raw in records.lrange("storm:started", 0, -1)]
+
+
+def finished_runs(records: redis.Redis) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in records.lrange("storm:runs", 0, -1)]
+
+
+def state(app: Celery, task_id: str) -> str:
+    """The stored state, read afresh (an ``AsyncResult`` keeps the first ready state it saw:
+    a FAILURE a rerun later overwrites with SUCCESS)."""
+    return str(app.backend.get_task_meta(task_id)["status"])
+
+
+def test_a_soft_time_limit_fails_the_task_and_releases_without_a_done_marker(
+    start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
+) -> None:
+    start_worker()
+    result = producer.send_task("storm.hold", args=(1,), soft_time_limit=1)
+    wait_for("FAILURE", lambda: state(producer, result.id) == "FAILURE", 20)
+    wait_for("the lease to be released", lambda: not locks.exists(HOLD_KEY), PROMPTLY)
+    assert not locks.exists(HOLD_DONE)
+    assert started_fences(records) == [1]
+
+
+def test_a_hard_time_limit_releases_the_lease_of_the_killed_body(
+    start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
+) -> None:
+    """billiard SIGTERMs the pool process (SIGKILL 0.1 s later): the SIGTERM's exception runs
+    the body's ``finally``. Celery acks the message as FAILURE."""
+    start_worker()
+    result = producer.send_task("storm.hold", args=(1,), time_limit=2)
+    wait_for("FAILURE", lambda: state(producer, result.id) == "FAILURE", 20)
+    wait_for("the lease to be released", lambda: not locks.exists(HOLD_KEY), PROMPTLY)
+    assert not locks.exists(HOLD_DONE)
+    assert started_fences(records) == [1]
+
+
+@pytest.mark.skipif(not hasattr(Task, "acks_on_timeout"), reason="task_acks_on_timeout: 5.7+")
+def test_a_message_requeued_after_a_hard_time_limit_runs_again_at_once(
+    start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
+) -> None:
+    """With ``task_acks_on_timeout = False`` Celery requeues the message before it kills the
+    process: the copy waits (deferred) for the lease or finds it released, never runs beside."""
+    start_worker(STORM_CONF=json.dumps({"task_acks_on_timeout": False}))
+    result = producer.send_task("storm.hold", args=(1,), time_limit=2)
+    wait_for("the rerun", lambda: finished_runs(records), 2 + PROMPTLY)
+    assert started_fences(records) == [1, 2]
+    wait_for("SUCCESS", lambda: state(producer, result.id) == "SUCCESS", 10)
+    assert locks.exists(HOLD_DONE)
+    assert not locks.exists(HOLD_KEY)
+
+
+@pytest.mark.parametrize("limit", ["--max-tasks-per-child", "--max-memory-per-child"])
+def test_recycled_pool_processes_keep_and_release_their_leases(
+    limit: str, start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
+) -> None:
+    """Each process runs one body (``1``: one task, or 1 KiB of RSS) and is replaced: each body
+    outlasts its 2 s TTL, so only the new process's heartbeat keeps its lease; a lease that
+    lapsed would be released unowned, without a done-marker."""
+    worker = start_worker(limit, "1")
+    results = [producer.send_task("storm.long", args=(i,), kwargs={"seconds": 3})
+               for i in range(3)]  # fmt: skip
+    wait_for("every request", lambda: all(r.state == "SUCCESS" for r in results), 60)
+    assert len({run["pid"] for run in finished_runs(records)}) == 3
+    for i in range(3):
+        assert locks.exists(f"celery-lock:{{storm.long:{i}}}:done:storm.long")
+    assert not list(locks.scan_iter("celery-lock:*:lock"))
+    assert "no longer held" not in worker.log()
+
+
+@pytest.fixture
+def broker() -> Iterator[RedisServer]:
+    """A broker of its own, whose clients a test can cut off without the lock store's."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_a_broker_connection_lost_mid_body_never_runs_the_request_twice_at_once(
+    cancel: bool, broker: RedisServer, start_worker: Any, worker_env: dict[str, str],
+    records: redis.Redis, locks: redis.Redis,
+) -> None:  # fmt: skip
+    """kombu restores the unacked message when the connection drops. Left running, the body
+    holds the lease: the restored copy is deferred until the done-marker acks it. Cancelled
+    (``worker_cancel_long_running_tasks_on_connection_loss``), the body is SIGTERMed and
+    releases: the restored copy runs at once with the next fence."""
+    conf = {"worker_cancel_long_running_tasks_on_connection_loss": cancel}
+    worker = start_worker(STORM_BROKER_URL=broker.url, STORM_CONF=json.dumps(conf))
+    app = Celery("producer", broker=broker.url, backend=worker_env["STORM_BACKEND_URL"],
+                 set_as_current=False)  # fmt: skip
+    try:
+        result = app.send_task("storm.hold", args=(1,), kwargs={"seconds": 4})
+        wait_for("the body to start", lambda: started_fences(records), 20)
+        with broker.client() as admin:
+            admin.client_kill_filter(_type="normal", skipme=True)
+            wait_for("SUCCESS", lambda: state(app, result.id) == "SUCCESS", 4 + PROMPTLY)
+            assert len(finished_runs(records)) == 1
+            assert started_fences(records) == ([1, 2] if cancel else [1])
+            assert locks.exists(HOLD_DONE)
+            if not cancel:
+                wait_for("the restored copy to be acked", lambda: "acking the redelivery"
+                         in worker.log(), 20)  # fmt: skip
+            wait_for("an empty broker", lambda: not admin.llen("celery")
+                     and not admin.hlen("unacked"), 20)  # fmt: skip
+        assert not locks.exists(HOLD_KEY)
+    finally:
+        close_producer(app)
+        worker.stop()
