@@ -40,6 +40,7 @@ for ever; :func:`celery_lock.follow` follows it to the holder's result instead::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -323,7 +324,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         """
         if self._lock_deriver is not None:
             try:
-                self._lock_deriver.request_key(*self._as_sent(tuple(args or ()), kwargs or {}))
+                self._key_deriver().request_key(*self._as_sent(tuple(args or ()), kwargs or {}))
             except LockKeyError as exc:
                 if not options.get("parent_id"):
                     raise
@@ -343,13 +344,31 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def _request_keys(
         self, settings: LockSettings, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> RequestKeys:
-        deriver = self._lock_deriver or KeyDeriver.create(
-            self.name, inspect.signature(self.run), self.lock_key
-        )
-        request_key = deriver.request_key(*self._as_sent(args, kwargs))
+        request_key = self._key_deriver().request_key(*self._as_sent(args, kwargs))
         return RequestKeys.build(
             settings.key_prefix, self.lock_scope or self.name, request_key, self.name
         )
+
+    def _key_deriver(self) -> KeyDeriver:
+        """The class's key deriver, named as this task is registered: the default key digests
+        that name, which every process running the task agrees on.
+
+        The class's own deriver is named when the class is created. A class-based task given
+        to ``app.register_task`` gets its name afterwards, on the instance, and not always
+        ``<module>.<class>``: a worker running the module as ``__main__`` would digest
+        ``__main__.<class>``, another worker ``<module>.<class>``, and the two would run one
+        request once each.
+        """
+        deriver = self._lock_deriver
+        if deriver is None:  # an abstract base's subclass without a run of its own
+            return KeyDeriver.create(self.name, inspect.signature(self.run), self.lock_key)
+        if deriver.task_name == self.name or not self.name:  # not registered (yet)
+            return deriver
+        renamed = self.__dict__.get("_lock_renamed_deriver")
+        if renamed is None or renamed[0] is not deriver:  # task_annotations rebuilt the class's
+            renamed = (deriver, dataclasses.replace(deriver, task_name=self.name))
+            self.__dict__["_lock_renamed_deriver"] = renamed
+        return renamed[1]
 
     def _as_sent(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any]

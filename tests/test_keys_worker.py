@@ -9,6 +9,11 @@ done-marker as a worker does), the second goes through the broker (JSON, memory 
 from __future__ import annotations
 
 import enum
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -161,3 +166,58 @@ def test_the_default_key_of_a_model_argument_is_the_digest_of_what_celery_sends(
     wait_for("the copy to end", lambda: copy.state in (SKIPPED, "SUCCESS", "FAILURE"), TIMEOUT)
     assert runs == [("kw.by_default", 7)], "the request ran twice"
     assert (copy.state, copy.info["reason"]) == (SKIPPED, "done")
+
+
+#: A class-based task (``app.register_task``), run in a process of its own, directly, with the
+#: module imported (``import reports``) or run as ``__main__`` (``python reports.py``, a worker
+#: started with ``app.worker_main()``). Prints the task's name, lock key and return value.
+REGISTERED_TASK_MODULE = """
+import json, os, sys
+
+from celery import Celery
+from celery_lock import LockedTask
+
+app = Celery("reports", broker="memory://")
+app.conf.celery_lock_redis_url = os.environ["LOCK_URL"]
+
+
+class Rebuild(LockedTask):
+    def run(self, day):
+        return "rebuilt " + day
+
+
+rebuild = app.register_task(Rebuild())
+
+
+def main():
+    result = rebuild("2026-11-21")
+    json.dump([rebuild.name, rebuild.request_keys(("2026-11-21",), {}).lock, result], sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_registered_task_keys_a_request_alike_in_a_process_running_its_module_as_main(
+    tmp_path: Path, lock_url: str
+) -> None:
+    # Celery names the task reports.Rebuild in both processes; the default key digested the
+    # name the class got when it was created, __main__.Rebuild in the first: two keys for one
+    # request, which ran in both.
+    (tmp_path / "reports.py").write_text(REGISTERED_TASK_MODULE)
+    env = {**os.environ, "LOCK_URL": lock_url, "PYTHONPATH": str(tmp_path)}
+    outputs = []
+    for command in (["reports.py"], ["-c", "import reports; reports.main()"]):
+        proc = subprocess.run(
+            [sys.executable, *command], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        outputs.append(json.loads(proc.stdout))
+    (as_main, main_key, first), (imported, imported_key, second) = outputs
+    assert as_main == imported == "reports.Rebuild"
+    assert main_key == imported_key
+    assert first == "rebuilt 2026-11-21"
+    assert second["celery_lock"] == "skipped"
+    assert second["reason"] == "done"
