@@ -131,7 +131,7 @@ def _canonical_json(value: Any) -> str:
             or is nested too deeply.
     """
     try:
-        received = _as_received(value)
+        received = _as_received(value, escape_tags=True)
     except RecursionError as exc:
         raise ValueError("the value holds itself or is nested too deeply") from exc
     return json.dumps(received, sort_keys=True, default=_canonical, separators=(",", ":"))
@@ -141,7 +141,15 @@ def _canonical_json(value: Any) -> str:
 _AS_SENT = frozenset({str, int, float, bool, type(None), bytes})
 
 
-def _as_received(value: Any) -> Any:
+#: The keys of the one-key objects :func:`_canonical` writes for a type JSON lacks
+#: (``{"__bytes__": "6162"}``), and of the one that holds a dict of the caller's written alike.
+_TAGS = frozenset(
+    {"__bytes__", "__set__", "__uuid__", "__decimal__", "__dict__"}
+    | {f"__{kind.__name__}__" for kind in _CLOCKS}
+)
+
+
+def _as_received(value: Any, escape_tags: bool = False) -> Any:
     """``value`` as a worker receives it after the message's JSON round trip, so that the
     caller and the worker derive a key from the same thing.
 
@@ -149,18 +157,27 @@ def _as_received(value: Any) -> Any:
     a ``str``, ``int`` or ``float`` subclass (an enum member) its plain value, at any depth.
     Anything else (a set, a ``datetime``) is kept: the serializer carries it as it is, or the
     call cannot be sent at all.
+
+    With ``escape_tags`` (for canonical JSON), a dict whose one key is one of :data:`_TAGS`
+    is held in ``{"__dict__": ...}``: written as it is, the dict ``{"__bytes__": "6162"}``
+    would read as ``b"ab"`` does, and two requests would have one key.
     """
     kind = type(value)
     if kind in _AS_SENT:  # the usual argument: checked first, as this runs for every task
         return value
     # Members already as sent are kept without a call: the default digest walks every argument.
     if isinstance(value, dict):
-        return {
-            k if type(k) is str else _json_key(k): v if type(v) in _AS_SENT else _as_received(v)
+        received = {
+            k if type(k) is str else _json_key(k): (
+                v if type(v) in _AS_SENT else _as_received(v, escape_tags)
+            )
             for k, v in value.items()
         }
+        if escape_tags and len(received) == 1 and next(iter(received)) in _TAGS:
+            return {"__dict__": received}
+        return received
     if isinstance(value, (list, tuple)):
-        return [v if type(v) in _AS_SENT else _as_received(v) for v in value]
+        return [v if type(v) in _AS_SENT else _as_received(v, escape_tags) for v in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int) and not isinstance(value, bool):

@@ -31,6 +31,7 @@ from kombu.utils import json as kombu_json
 from redis.crc import key_slot
 
 from celery_lock import ConfigurationError, LockedTask, LockKeyError
+from celery_lock import keys as keys_module
 from celery_lock.keys import (
     MAX_KEY_LENGTH,
     KeyDeriver,
@@ -419,6 +420,31 @@ def test_distinct_task_names_give_distinct_default_keys(names: list[str], a: Any
 )
 def test_default_key_tells_types_apart(one: Any, other: Any) -> None:
     assert digest_arguments("t", {"a": one}) != digest_arguments("t", {"a": other})
+
+
+TAGGED_VALUES = [
+    b"ab",
+    {1, 2},
+    frozenset({"x"}),
+    uuid.UUID(int=7),
+    decimal.Decimal("1.50"),
+    datetime.datetime(2026, 11, 21, 12, 30),
+    datetime.date(2026, 11, 21),
+    datetime.time(12, 30),
+]
+
+
+@pytest.mark.parametrize("value", TAGGED_VALUES, ids=lambda value: type(value).__name__)
+def test_a_dict_written_like_a_tagged_value_is_another_request(value: Any) -> None:
+    # {"__bytes__": "6162"} is what the canonical JSON writes for b"ab": a caller's dict of
+    # that shape had the key of b"ab", and one of the two requests was skipped as done.
+    written = json.loads(json.dumps(value, default=keys_module._canonical))
+    assert isinstance(written, dict)
+    assert digest_arguments("t", {"a": written}) != digest_arguments("t", {"a": value})
+    assert by_name.request_keys(([written],), {}) != by_name.request_keys(([value],), {})
+    # and the dict holding such a dict is not the dict it holds
+    held = {"__dict__": written}
+    assert digest_arguments("t", {"a": held}) != digest_arguments("t", {"a": written})
 
 
 # -- (c) one hash slot -----------------------------------------------------------------------------
