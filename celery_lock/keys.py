@@ -186,10 +186,15 @@ def _as_received(value: Any, escape_tags: bool = False) -> Any:
         return float.__float__(value)
     for clock in _CLOCKS:
         if isinstance(value, clock):
-            if type(value) is clock and getattr(value, "tzinfo", None) is None:
+            if (
+                type(value) is clock
+                and getattr(value, "tzinfo", None) is None
+                and not getattr(value, "fold", 0)
+            ):
                 return value
             # As Celery's JSON carries it, its ISO text read back: a plain datetime (not a
-            # subclass), its zone a fixed UTC offset (``{when!r}``, ``{when:%Z}`` read alike).
+            # subclass), its zone a fixed UTC offset (``{when!r}``, ``{when:%Z}`` read alike),
+            # without the fold of a wall time the clock repeats (``fromtimestamp`` gives it).
             return clock.fromisoformat(clock.isoformat(value))
     return value
 

@@ -1322,6 +1322,19 @@ def test_a_datetime_in_a_zone_keys_like_the_fixed_offset_the_worker_receives(spe
     assert derive.request_key(sent, {}) == derive.request_key(_as_worker_receives(sent), {})
 
 
+@pytest.mark.parametrize(
+    "value",
+    [datetime.datetime(2026, 10, 25, 2, 30, fold=1), datetime.time(2, 30, fold=1)],
+    ids=["datetime", "time"],
+)
+def test_a_wall_time_the_clock_repeats_keys_like_the_one_the_worker_receives(value: Any) -> None:
+    # datetime.fromtimestamp() in the hour the clock goes back gives fold=1, which JSON does not
+    # carry: {cart!r} showed it at the caller (a direct call) but not on the worker.
+    sent = (value, None)
+    derive = _cart_deriver("{cart!r}")
+    assert derive.request_key(sent, {}) == derive.request_key(_as_worker_receives(sent), {})
+
+
 def test_a_lock_key_set_by_task_annotations_is_the_one_the_task_keys_by() -> None:
     annotated = Celery("annotated", broker="memory://", set_as_current=False)
     annotated.conf.celery_lock_redis_url = "redis://127.0.0.1:1/0"
