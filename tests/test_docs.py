@@ -620,10 +620,15 @@ def run_page(
     *,
     files: dict[str, str] | None = None,
     prelude: list[Step] | None = None,
+    pytest_options: str = "",
 ) -> None:
-    """Run a page's steps in ``directory`` against ``server``; compare what they print."""
+    """Run a page's steps in ``directory`` against ``server``; compare what they print.
+
+    ``files`` are written beside the page's own, and win over a page file of the same name;
+    ``pytest_options`` are added to the options of every ``pytest`` a step runs.
+    """
     address = f"127.0.0.1:{server.port}"
-    for name, text in {**(files or {}), **page_files(path)}.items():
+    for name, text in {**page_files(path), **(files or {})}.items():
         target = directory / name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text.replace(DOCS_REDIS, address))
@@ -647,7 +652,7 @@ def run_page(
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(directory), *sys.path]),
         "PYTHONUNBUFFERED": "1",
-        "PYTEST_ADDOPTS": "-p no:docker_tools -p no:cacheprovider",
+        "PYTEST_ADDOPTS": f"-p no:docker_tools -p no:cacheprovider {pytest_options}".strip(),
     }
     workers = []
     for documented in page_workers(path):
@@ -744,6 +749,22 @@ def test_cli_page_commands_print_what_the_page_shows(
     run_page(
         DOCS / "cli.md", tmp_path, page_redis,
         files=page_files(DOCS / "quickstart.md"), prelude=prelude,
+    )  # fmt: skip
+
+
+@pytest.mark.worker
+def test_testing_page_runs_without_pytest_celery(tmp_path: Path, page_redis: RedisServer) -> None:
+    """A reader who installed pytest alone gets Celery's ``celery_app`` fixture as the page says:
+    without pytest-celery (here: its plugin turned off), nothing loads ``celery.contrib.pytest``,
+    and the page's in-process test stopped at "recursive dependency involving fixture
+    'celery_app'"."""
+    page = DOCS / "testing.md"
+    loads = [b for b in blocks_of(page) if b.lang == "python" and "pytest_plugins" in b.text]
+    assert loads, "testing.md: no block loads celery.contrib.pytest without pytest-celery"
+    conftest = page_files(page)["tests/conftest.py"] + "\n" + loads[0].text
+    run_page(
+        page, tmp_path, page_redis,
+        files={"tests/conftest.py": conftest}, pytest_options="-p no:celery",
     )  # fmt: skip
 
 
