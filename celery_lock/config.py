@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from typing import Any, Literal, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis import connection
@@ -66,6 +66,15 @@ def validate_redis_url(setting: str, url: str) -> str:
         raise ConfigurationError(setting, f"malformed URL: {exc}") from exc
     if scheme == "unix" and not options.get("path"):
         raise ConfigurationError(setting, "the unix:// URL names no socket path")
+    # redis-py takes the path as the database only when it is a number, and ignores any other
+    # (while ?db=locks is an error): redis://host/locks would put the leases in database 0.
+    database = unquote(urlsplit(url).path).replace("/", "")
+    if scheme != "unix" and database and "db" not in options and not database.isdigit():
+        raise ConfigurationError(
+            setting,
+            f"the URL's path {database!r} is not a database number: redis-py would ignore it "
+            "and use database 0 (write redis://host:port/2)",
+        )
     problem = _connection_problem(url)
     if problem is not None:
         raise ConfigurationError(setting, problem)

@@ -77,6 +77,7 @@ INVALID = [
     ("redis_url", "redis://host:99999"),
     ("redis_url", "redis://localhost:6379/0?socket_timeout=abc"),
     ("redis_url", "redis://localhost/0?db=two"),
+    ("redis_url", "redis://localhost/two"),
     ("redis_url", "rediss://localhost/0?ssl_cert_reqs=CERT_REQUIRED"),
     ("redis_url", "redis://localhost/0?protocol=4"),
     ("redis_url", "redis://localhost/0?max_connections=1"),
@@ -172,6 +173,25 @@ def test_a_url_redis_py_cannot_read_is_a_configuration_error_not_a_value_error()
         redis.Redis.from_url(url)
     with pytest.raises(ConfigurationError, match=r"^celery_lock_redis_url: malformed URL: "):
         LockSettings.resolve({"celery_lock_redis_url": url})
+
+
+def test_a_url_path_that_is_no_database_number_is_refused(lock_url: str) -> None:
+    """redis-py reads a URL's path as its database only when it is a number, and ignores any
+    other path: ``redis://host/locks`` was taken, and its leases landed in database 0, the one
+    a Redis broker's messages live in by default, while ``?db=locks`` was refused."""
+    base = lock_url.rsplit("/", 1)[0]
+    client = redis.Redis.from_url(f"{base}/locks")
+    client.set("celery-lock:test-path", "1")
+    database_0 = redis.Redis.from_url(f"{base}/0")
+    assert database_0.getdel("celery-lock:test-path") == b"1"  # it was database 0
+    database_0.close()
+    client.close()
+    with pytest.raises(ConfigurationError) as raised:
+        LockSettings.resolve({"celery_lock_redis_url": f"{base}/locks"})
+    assert raised.value.setting == "celery_lock_redis_url"
+    assert "'locks' is not a database number" in raised.value.problem
+    for url in (f"{base}/3", f"{base}/", f"{base}/3?db=4", base):  # what redis-py reads as asked
+        assert LockSettings.resolve({"celery_lock_redis_url": url}).redis_url == url
 
 
 @pytest.mark.parametrize(
