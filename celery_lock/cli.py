@@ -12,9 +12,10 @@ store URL and key prefix from the app's settings (``--url`` and ``--prefix`` ove
 A request is named either by one of its Redis keys (``celery-lock:{shop.process:42}:lock``, as
 logs and events show it, or its ``:fence`` or ``:done:<task>`` key) or as
 ``<scope>:<request key>``; a key under another prefix than the one configured is a usage error
-that names the ``--prefix`` to pass. ``forget`` given a done-marker key forgets that marker only.
-Every listing uses ``SCAN``, never ``KEYS``. A failing lock store is reported as an error (exit
-status 1), never a traceback.
+that names the ``--prefix`` to pass, and so is a name under the configured prefix that is none
+of a request's keys (the hash tag alone, say). ``forget`` given a done-marker key forgets that
+marker only. Every listing uses ``SCAN``, never ``KEYS``. A failing lock store is reported as an
+error (exit status 1), never a traceback.
 """
 
 from __future__ import annotations
@@ -104,9 +105,10 @@ class LockAdmin:
         ``shop.process:order42~<digest>`` name the same lock.
 
         Raises:
-            click.UsageError: ``name`` is a key under another prefix (read as a request name,
-                it would name a request that does not exist, and every command would find
-                nothing), or names no request at all.
+            click.UsageError: ``name`` is a key under another prefix, or a key under this
+                prefix that is none of a request's keys (read as a request name, either would
+                name a request that does not exist, and every command would find nothing), or
+                names no request at all.
         """
         key = _KEY.fullmatch(name)
         if key is not None:
@@ -117,6 +119,15 @@ class LockAdmin:
                 )
             tag = f"{key['prefix']}:{key['tag']}"
             return f"{tag}:lock", name if key["suffix"].startswith(":done:") else None
+        if name.startswith(f"{self.prefix}:{{"):
+            # A key of this prefix pasted not quite whole (the tag alone, a trailing space,
+            # ":done" without its task): read as <scope>:<request key>, it would name a request
+            # of scope "celery-lock" that does not exist, and every command would find nothing.
+            raise click.BadParameter(
+                f"{name!r} is under prefix {self.prefix!r} but is none of a request's keys: "
+                f"give its '...:lock', '...:fence' or '...:done:<task>' key whole",
+                param_hint="'KEY'",
+            )
         scope, colon, request_key = name.partition(":")
         if not colon or not scope:
             raise click.BadParameter(

@@ -417,6 +417,24 @@ def test_a_name_that_is_no_key_and_no_scope_and_request_key_is_a_usage_error(
     assert "names no request" in done.stderr
 
 
+@pytest.mark.parametrize(
+    "suffix", ["", ":lock ", ":done", ":locks"], ids=["tag", "space", "done", "locks"]
+)
+@pytest.mark.parametrize("command", ["show", "forget", "release"])
+def test_a_key_of_the_prefix_that_is_none_of_a_request_s_keys_is_a_usage_error(
+    worker_env: dict[str, str], store: LockStore, command: str, suffix: str
+) -> None:
+    """Read as <scope>:<request key>, such a name was a request of scope "celery-lock": show
+    said "lease none" while the lease was held, and release found no lease to delete."""
+    take(store, 1, "task-1")
+    extra = ["--force", "--yes"] if command == "release" else []
+    name = "celery-lock:{storm.process:1}" + suffix
+    done = celery_lock_cli(worker_env, command, name, *extra)
+    assert done.returncode == 2, done.stdout
+    assert f"{name!r} is under prefix 'celery-lock' but is none of a request's keys" in done.stderr
+    assert store.client.exists("celery-lock:{storm.process:1}:lock")
+
+
 def test_show_of_an_unknown_request_says_none_throughout(worker_env: dict[str, str]) -> None:
     done = celery_lock_cli(worker_env, "show", "storm.process:404")
     assert done.returncode == 0, done.stderr
