@@ -183,6 +183,17 @@ def test_unreachable_store_is_a_clean_error(worker_env: dict[str, str]) -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_a_url_whose_path_is_no_database_number_is_a_usage_error(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    """redis-py reads such a URL as database 0: ls listed another database's leases."""
+    take(store, 1, "task-1")
+    url = worker_env["STORM_LOCK_URL"].rsplit("/", 1)[0] + "/locks"
+    done = celery_lock_cli(worker_env, "--url", url, "ls")
+    assert done.returncode == 2, done.stdout
+    assert "the URL's path 'locks' is not a database number" in done.stderr
+
+
 def test_a_store_that_refuses_the_connection_is_a_clean_error(worker_env: dict[str, str]) -> None:
     url = worker_env["STORM_LOCK_URL"].rsplit("/", 1)[0] + "/99"  # no such database
     done = celery_lock_cli(worker_env, "--url", url, "ls")
