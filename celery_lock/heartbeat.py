@@ -1,8 +1,8 @@
 """The per-process heartbeat: keeps every lease the process holds alive.
 
 One daemon thread per process (started after fork, stopped at process shutdown) wakes every
-interval and extends all held leases of a store in one pipelined round trip (the stores of a
-process that uses several, each on a thread of its own). A lease whose extend
+interval and extends all held leases of a store in one pipelined round trip, on a thread of its
+own per store, so that a store that hangs holds back no other. A lease whose extend
 answers "not yours" is lost at once; a lease that cannot be confirmed (Redis unreachable) is lost
 once a full TTL has passed since it was last confirmed, because by then it has surely expired.
 A release that found the store unavailable is tried again on each beat while its lease may still
@@ -98,12 +98,19 @@ class Heartbeat:
                 raise
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread and wait (bounded) for it to end."""
+        """Stop the thread and wait (bounded) for it, and for the extends it started, to end."""
+        deadline = _monotonic() + timeout
         self._stopping.set()
         self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        # An extend still on its way would go on with a client the runtime closes next.
+        with self._guard:
+            extending = list(self._in_flight.values())
+        for extend in extending:
+            if extend is not threading.current_thread():
+                extend.join(max(0.0, deadline - _monotonic()))
         self._thread = None
         self._alive = False
 
@@ -185,8 +192,10 @@ class Heartbeat:
         With leases on several stores, each store is extended on a thread of its own, and a
         store whose extend from an earlier beat is still on its way is left out of this one: a
         store that hangs (up to two socket timeouts per extend) must not hold back the other
-        stores' extends until their leases lapse. A process on one store (the usual case)
-        extends on this thread, as it always did.
+        stores' extends until their leases lapse. So is a lone store on the heartbeat's own
+        thread: a task on another store may start while that store's extend hangs, and its lease
+        would lapse before the thread came back to it. Called on any other thread (a test, a
+        shutdown), leases on one store are extended on that thread, the call returning when done.
         """
         by_store: dict[LockStore, list[Lease]] = defaultdict(list)
         for lease in self.leases():
@@ -194,11 +203,11 @@ class Heartbeat:
                 by_store[lease.store].append(lease)
         for store in self._stores_releasing():
             by_store.setdefault(store, [])  # visited for its releases, even with no lease held
-        if len(by_store) == 1:
+        if len(by_store) == 1 and threading.current_thread() is not self._thread:
             [(store, leases)] = by_store.items()
             with self._guard:
-                apart = store in self._in_flight
-            if not apart:
+                in_flight = store in self._in_flight
+            if not in_flight:
                 self._extend(store, leases)
                 return
         for store, leases in by_store.items():

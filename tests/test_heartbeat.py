@@ -265,6 +265,38 @@ def test_a_store_that_hangs_does_not_hold_back_another_stores_extends(
             hanging.client.close()
 
 
+def test_a_store_that_hangs_alone_does_not_hold_back_a_lease_on_another_store_added_meanwhile(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    # Tasks on two lock stores in one process, but at the beat only one store's lease is held:
+    # that store hangs (its redis-server SIGSTOPped), and the beat waits out its extend (two
+    # socket timeouts, 10 s). A task on the other store that starts meanwhile, with a 2 s TTL,
+    # must have its lease extended all along, not wait for the hung store's extend to end.
+    with RedisServer() as hanging_server:
+        hanging = LockStore.from_url(hanging_server.url)
+        healthy = LockStore.from_url(lock_url)
+        heartbeat = Heartbeat()
+        stuck = _granted(hanging, "stuck", 60_000)
+        try:
+            heartbeat.add(stuck, 0.5)
+            hanging_server.pause()
+            time.sleep(1.0)  # two intervals: a beat is now waiting on the hung store
+            kept = _granted(healthy, "kept", 2_000)
+            heartbeat.add(kept, 0.5)
+            deadline = time.monotonic() + 6.0  # three of the kept lease's TTLs
+            while time.monotonic() < deadline:
+                assert lock_redis.exists(kept.keys.lock), "the healthy store's lease lapsed"
+                time.sleep(0.2)
+            assert not kept.lost
+        finally:
+            hanging_server.resume()
+            heartbeat.stop(timeout=20)
+            for thread in list(heartbeat._in_flight.values()):
+                thread.join(20)
+            healthy.client.close()
+            hanging.client.close()
+
+
 def test_two_stores_are_extended_even_when_no_thread_can_start(
     lock_url: str, lock_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
