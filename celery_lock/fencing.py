@@ -272,6 +272,18 @@ def _table(name: str) -> str:
     return str.__str__(name)
 
 
+def _check_connection(conn: _Connection) -> None:
+    # Checked first: without a cursor() the paramstyle lookup fails, and its "pass paramstyle="
+    # would only lead to an AttributeError. SQLAlchemy's Session, Connection and Engine are the
+    # usual cases; a Connection's .connection is its DB-API connection, in its transaction.
+    if not callable(getattr(conn, "cursor", None)):
+        raise TypeError(
+            f"conn must be a DB-API connection (with cursor()), got {type(conn).__name__}: "
+            "with SQLAlchemy, pass connection.connection (session.connection().connection) "
+            "to update in that transaction, or engine.raw_connection()"
+        )
+
+
 def _paramstyle(conn: _Connection) -> str:
     # SQLAlchemy's engine.raw_connection() is a pool proxy (sqlalchemy.pool): the driver's
     # connection is inside it (driver_connection; dbapi_connection on older SQLAlchemy).
@@ -344,7 +356,8 @@ def fenced_update(
     syntax error there, so rename such a column or write the update by hand.
 
     Args:
-        conn: a DB-API 2.0 connection (``sqlite3``, ``psycopg``, ...).
+        conn: a DB-API 2.0 connection (``sqlite3``, ``psycopg``, ...; with SQLAlchemy, a
+            ``Connection``'s ``.connection``).
         table: the table's name, optionally schema-qualified (``schema.table``).
         key_column: the column identifying the row, e.g. the request key.
         key: the row's key value.
@@ -371,11 +384,13 @@ def fenced_update(
         ValueError: a name is not a plain identifier (the table may be ``schema.table``),
             ``values`` is empty or names the key or fence column (in any letter case), or the
             paramstyle is unknown.
-        TypeError: ``fence`` is not an int.
+        TypeError: ``fence`` is not an int, or ``conn`` has no ``cursor()`` (SQLAlchemy's
+            ``Session``, ``Connection`` or ``Engine``: pass ``connection.connection``).
 
     .. versionadded:: 0.1.0
     """
     _check_fence(fence)
+    _check_connection(conn)
     # The names as plain str: the text checked is the text formatted into the SQL.
     table = _table(table)
     key_column = _identifier(key_column, "key_column")

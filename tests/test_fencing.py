@@ -459,6 +459,36 @@ def test_sql_sqlalchemy_raw_connection_is_a_connection(tmp_path: Path) -> None:
     check.close()
 
 
+def test_sql_sqlalchemy_session_is_refused_and_its_dbapi_connection_used(tmp_path: Path) -> None:
+    # A Session, Connection or Engine has no cursor(): the error must say what to pass instead
+    # (not "pass paramstyle=", which only leads to an AttributeError), and what it names must run
+    # the update in the session's transaction.
+    import sqlalchemy  # noqa: PLC0415 - the test extra's; only these tests need it
+    from sqlalchemy.orm import Session  # noqa: PLC0415
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'session.db'}")
+    with engine.begin() as setup:
+        setup.exec_driver_sql(
+            "CREATE TABLE orders (id INTEGER PRIMARY KEY, status TEXT, fence INTEGER)"
+        )
+        setup.exec_driver_sql("INSERT INTO orders VALUES (1, 'new', NULL)")
+    try:
+        with Session(engine) as session:
+            for wrong in (session, session.connection(), engine):
+                for style in ({}, {"paramstyle": "qmark"}):
+                    with pytest.raises(TypeError, match=r"\.connection"):
+                        fenced_update(wrong, "orders", "id", 1, {"status": "x"}, 3, **style)
+            dbapi = session.connection().connection
+            assert fenced_update(dbapi, "orders", "id", 1, {"status": "paid"}, 3) is True
+            assert fenced_update(dbapi, "orders", "id", 1, {"status": "stale"}, 2) is False
+            session.rollback()  # the update was in the session's transaction: it goes too
+    finally:
+        engine.dispose()
+    with sqlite3.connect(tmp_path / "session.db") as check:
+        assert row(check) == ("new", None)
+    check.close()
+
+
 def test_sql_unknown_driver_needs_a_paramstyle() -> None:
     with pytest.raises(ValueError, match="paramstyle"):
         fenced_update(RecordingConnection(), "orders", "id", 1, {"status": "paid"}, 1)
