@@ -143,12 +143,13 @@ class FencedRedis:
     so it runs unchanged on Redis Cluster.
 
     Args:
-        client: the Redis client of the store that receives the writes.
+        client: the Redis client of the store that receives the writes: a ``redis.Redis``, or
+            a ``redis.cluster.RedisCluster``.
 
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis | redis.RedisCluster) -> None:
         self.client = client
         self._script: Script = client.register_script(FENCED_SET)
 
@@ -206,7 +207,7 @@ class FencedRedis:
 
 
 def fenced_set(
-    client: redis.Redis,
+    client: redis.Redis | redis.RedisCluster,
     key: str,
     value: bytes | str | int | float,
     fence: int,
@@ -229,7 +230,7 @@ def fenced_set(
     return FencedRedis(client).set(key, value, fence, ttl=ttl, raise_on_stale=raise_on_stale)
 
 
-def fenced_get(client: redis.Redis, key: str) -> FencedValue | None:
+def fenced_get(client: redis.Redis | redis.RedisCluster, key: str) -> FencedValue | None:
     """The fenced record at ``key`` written by :func:`fenced_set`, or ``None``.
 
     .. versionadded:: 0.1.0

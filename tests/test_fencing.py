@@ -37,7 +37,7 @@ from celery_lock.fencing import (
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.store import LockStore
-from celery_lock.testing import RedisServer
+from celery_lock.testing import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SINK_DB = 5
@@ -147,6 +147,31 @@ def test_largest_fence_compares_exactly(sink: redis.Redis) -> None:
     fenced_set(sink, KEY, "top", MAX_FENCE)
     assert fenced_set(sink, KEY, "below", MAX_FENCE - 1) is False
     assert fenced_get(sink, KEY) == FencedValue(b"top", MAX_FENCE)
+
+
+def test_fenced_writes_run_on_a_redis_cluster_client() -> None:
+    """The one-key script on a ``RedisCluster`` client, as the docs promise (its type is in
+    ``FencedRedis``'s signature: tests/typing_checks.py), on a one-node cluster."""
+    # The cluster bus listens 10000 above the port: redis-server 6.2 wants a port up to 55535.
+    port = next(port for port in (free_port() for _ in range(100)) if port <= 55535)
+    with RedisServer(port, extra_args=["--cluster-enabled", "yes"]) as server:
+        with server.client() as setup:
+            setup.execute_command("CLUSTER ADDSLOTS", *range(16384))
+            deadline = time.monotonic() + 20
+            while setup.execute_command("CLUSTER INFO")["cluster_state"] != "ok":
+                assert time.monotonic() < deadline, "the one-node cluster never came up"
+                time.sleep(0.05)
+        cluster = redis.RedisCluster(host="127.0.0.1", port=server.port)
+        try:
+            sink = FencedRedis(cluster)
+            assert sink.set(KEY, "by B", 2) is True
+            assert fenced_set(cluster, KEY, "by A", 1) is False
+            with pytest.raises(StaleFenceError) as refused:
+                sink.set(KEY, "by A", 1, raise_on_stale=True)
+            assert refused.value.current == 2
+            assert fenced_get(cluster, KEY) == FencedValue(b"by B", 2)
+        finally:
+            cluster.close()
 
 
 def test_concurrent_writers_with_random_fences_end_with_the_largest(
