@@ -129,6 +129,13 @@ class FencedValue:
 
 
 def _check_fence(fence: int) -> int:
+    if fence is None:
+        # What a body run unlocked under fail_open has as self.request.lock_fence: no grant, so
+        # nothing a store could order its write by.
+        raise TypeError(
+            "a fence is an int, got None: a body run unlocked (celery_lock_fail_open) has no "
+            "fence (self.request.lock_fence is None), so it cannot make a fenced write"
+        )
     if isinstance(fence, bool) or not isinstance(fence, int):
         raise TypeError(f"a fence is an int, got {type(fence).__name__}")
     if not 0 <= fence <= MAX_FENCE:

@@ -137,6 +137,18 @@ def test_fence_of_the_wrong_type_is_refused(sink: redis.Redis, fence: Any) -> No
     assert not sink.exists(KEY)
 
 
+def test_no_fence_of_an_unlocked_run_is_refused_saying_why(
+    sink: redis.Redis, db: sqlite3.Connection
+) -> None:
+    # self.request.lock_fence in a body run unlocked under fail_open.
+    with pytest.raises(TypeError, match="fail_open"):
+        fenced_set(sink, KEY, "v", None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="fail_open"):
+        fenced_update(db, "orders", "id", 1, {"status": "paid"}, None)  # type: ignore[arg-type]
+    assert not sink.exists(KEY)
+    assert row(db) == ("new", None)
+
+
 @pytest.mark.parametrize("fence", [-1, MAX_FENCE + 1])
 def test_fence_out_of_range_is_refused(sink: redis.Redis, fence: int) -> None:
     with pytest.raises(ValueError, match="fence"):
