@@ -140,7 +140,10 @@ def _check_fence(fence: int) -> int:
         raise TypeError(f"a fence is an int, got {type(fence).__name__}")
     if not 0 <= fence <= MAX_FENCE:
         raise ValueError(f"a fence is between 0 and 2**53, got {fence}")
-    return fence
+    # A plain int: redis-py sends an int as its repr(), and an int subclass's (an IntEnum
+    # member's "<Grant.FIRST: 5>") would be stored as the record's fence, a fence that no longer
+    # reads as a number, so that any later write, however stale, is accepted.
+    return int(fence)
 
 
 class FencedRedis:
@@ -187,7 +190,7 @@ class FencedRedis:
             ValueError: ``fence`` is negative or above :data:`MAX_FENCE`, or ``ttl`` is not
                 a positive, finite number of seconds (up to 2**53 milliseconds).
         """
-        _check_fence(fence)
+        fence = _check_fence(fence)
         ttl_ms = 0
         if ttl is not None:
             # Checked before int(): int(inf) raises OverflowError, not the documented ValueError.
@@ -397,7 +400,7 @@ def fenced_update(
 
     .. versionadded:: 0.1.0
     """
-    _check_fence(fence)
+    fence = _check_fence(fence)
     _check_connection(conn)
     # The names as plain str: the text checked is the text formatted into the SQL.
     table = _table(table)

@@ -149,6 +149,31 @@ def test_no_fence_of_an_unlocked_run_is_refused_saying_why(
     assert row(db) == ("new", None)
 
 
+class Grant(enum.IntEnum):
+    FIRST = 5
+
+
+@pytest.mark.parametrize("packer", ["default", "python"])
+def test_fence_of_an_int_subclass_is_stored_as_its_number(
+    redis_server: RedisServer, packer: str
+) -> None:
+    # redis-py sends an int as its repr(): "<Grant.FIRST: 5>" stored as the fence would read as
+    # no fence, and let any later write through. (hiredis's packer refuses an int subclass.)
+    kwargs: dict[str, Any] = {"host": "127.0.0.1", "port": redis_server.port, "db": SINK_DB}
+    if packer == "python":
+        encode = redis.connection.Encoder("utf-8", "strict", False).encode
+        kwargs["command_packer"] = redis.connection.PythonRespSerializer(6000, encode)
+    client = redis.Redis(connection_pool=redis.ConnectionPool(**kwargs))
+    try:
+        client.delete(KEY)
+        assert fenced_set(client, KEY, "by 5", Grant.FIRST) is True
+        assert fenced_set(client, KEY, "stale", 4) is False
+        assert fenced_get(client, KEY) == FencedValue(b"by 5", 5)
+    finally:
+        client.close()
+        client.connection_pool.disconnect()
+
+
 @pytest.mark.parametrize("fence", [-1, MAX_FENCE + 1])
 def test_fence_out_of_range_is_refused(sink: redis.Redis, fence: int) -> None:
     with pytest.raises(ValueError, match="fence"):
