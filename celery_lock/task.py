@@ -778,6 +778,9 @@ class LockedTask(Task):  # type: ignore[type-arg]
         headers[DEFERRALS_HEADER] = deferrals + 1
         countdown, options = copy_delivery(self.app, request, self._defer_delay(deferrals, pttl_ms))
         options.update(_shown_arguments(request))
+        # Celery before 5.6.3 copies a request without the call's ignore_result: the copy
+        # would take the task's, and store the result the caller declined.
+        options["ignore_result"] = _ignores_result(self, request)
         if reason == "redelivered":
             # A copy of a message already running (or whose holder died) waits for its
             # outcome: accepted before it expired, it must not expire while it waits, which

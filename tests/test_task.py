@@ -916,6 +916,28 @@ def test_a_deferred_copy_keeps_the_callers_argsrepr_and_kwargsrepr(
     assert (headers["argsrepr"], headers["kwargsrepr"]) == ("(<order>,)", "{...}")
 
 
+def test_a_deferred_copy_keeps_the_callers_ignore_result(
+    worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    # Before Celery 5.6.3, Celery's copy of a request drops the call's ignore_result: the copy
+    # was published with the task's (False), and stored the result the caller had declined.
+    republished: list[dict[str, Any]] = []
+
+    def on_publish(headers: dict[str, Any], **_: Any) -> None:
+        if headers.get(DEFERRALS_HEADER):
+            republished.append(headers)
+
+    lease = hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
+    before_task_publish.connect(on_publish, weak=False)
+    try:
+        tasks["stage"].apply_async((7,), ignore_result=True)
+        wait_for("the copy to be deferred", lambda: republished, TIMEOUT)
+    finally:
+        before_task_publish.disconnect(on_publish)
+        store.release(lease, success=False, done_ttl_ms=60_000)
+    assert republished[0]["ignore_result"] is True
+
+
 def test_a_retry_keeps_the_callers_argsrepr_and_kwargsrepr(
     worker: Any, tasks: dict[str, Any]
 ) -> None:
