@@ -574,7 +574,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
         message without requeue, or the retry leaves its queue: the request is lost. Unless the
         call passes other arguments, the retry also keeps the caller's ``argsrepr`` and
         ``kwargsrepr``, which Celery's copy of the request drops (events and Flower would show
-        the arguments they hide).
+        the arguments they hide), and the call's ``ignore_result``, which Celery before 5.6.3
+        drops (the retry would store the result the caller declined).
         """
         request = self.request
         if not (request.is_eager or request.called_directly):
@@ -600,6 +601,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
         delay, delivery = copy_delivery(self.app, request, float(countdown or 0))
         for name, value in delivery.items():  # serializer; queue on native delayed delivery
             kwargs.setdefault(name, value)
+        # Celery before 5.6.3 copies the request without the call's ignore_result.
+        kwargs.setdefault("ignore_result", _ignores_result(self, request))
         if not eta and countdown and delay != countdown and "countdown" not in positional:
             kwargs["countdown"] = delay  # rounded up to whole seconds
         if given.get("args") is None and given.get("kwargs") is None:

@@ -947,6 +947,26 @@ def test_a_retry_keeps_the_callers_argsrepr_and_kwargsrepr(
     assert (retried["argsrepr"], retried["kwargsrepr"]) == ("(<order>,)", "{...}")
 
 
+def test_a_retry_keeps_the_callers_ignore_result(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    # Before Celery 5.6.3, Celery's retry copies the request without the call's ignore_result:
+    # the retry took the task's (False), and stored the result the caller had declined.
+    published: list[dict[str, Any]] = []
+
+    def on_publish(headers: dict[str, Any], **_: Any) -> None:
+        if headers.get("task") == "t.flaky":
+            published.append(headers)
+
+    before_task_publish.connect(on_publish, weak=False)
+    try:
+        tasks["flaky"].apply_async((7,), ignore_result=True)
+        wait_for("the retry to run", lambda: calls.count("t.flaky") == 2, TIMEOUT)
+    finally:
+        before_task_publish.disconnect(on_publish)
+    assert [headers["ignore_result"] for headers in published] == [True, True]
+
+
 def test_check_lock_raises_once_a_whole_ttl_passed_unconfirmed(celery_app: Celery) -> None:
     """A body that resumes after a pause longer than its lease finds out at its next
     check_lock(), before the heartbeat has had a chance to beat and mark the lease lost."""
