@@ -779,6 +779,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
         }
         deferrals = int(headers.get(DEFERRALS_HEADER) or getattr(request, DEFERRALS_HEADER, 0) or 0)
         headers[DEFERRALS_HEADER] = deferrals + 1
+        # Celery gives whatever a running task publishes without a parent_id the running task
+        # for its parent: a copy of a top-level call would be its own parent. Celery lays the
+        # headers given over its own, so this one keeps the message's (None included).
+        headers["parent_id"] = request.parent_id
         countdown, options = copy_delivery(self.app, request, self._defer_delay(deferrals, pttl_ms))
         options.update(_shown_arguments(request))
         # Celery before 5.6.3 copies a request without the call's ignore_result: the copy

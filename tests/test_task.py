@@ -907,6 +907,24 @@ def test_a_deferred_copy_drops_rabbitmqs_dead_letter_headers(
     assert headers["tenant"] == "a"  # the caller's own headers go along
 
 
+def test_a_deferred_copy_of_a_call_without_a_parent_is_not_its_own_parent(
+    worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    # Celery takes the running task for the parent of what it publishes without one: the copy
+    # of a top-level call came with parent_id set to its own task id (its body saw a parent,
+    # and events showed the task as its own parent and child).
+    headers = first_deferral_headers(tasks, store)
+    assert headers["parent_id"] is None
+    assert headers["root_id"] == headers["id"]
+
+
+def test_a_deferred_copy_keeps_the_callers_parent(
+    worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    headers = first_deferral_headers(tasks, store, parent_id="parent-id", root_id="root-id")
+    assert (headers["parent_id"], headers["root_id"]) == ("parent-id", "root-id")
+
+
 def test_a_deferred_copy_keeps_the_callers_argsrepr_and_kwargsrepr(
     worker: Any, tasks: dict[str, Any], store: LockStore
 ) -> None:
