@@ -21,6 +21,9 @@
   it to other keys): every acquire would be refused;
 * a worker whose threads gevent or eventlet patched (``-P gevent``, ``-P eventlet``): the
   heartbeat is then a greenlet, which a body that does not yield to the hub holds back;
+* a ``beat_schedule`` entry that sends a ``LockedTask`` at an interval no longer than its done
+  TTL: an entry's ticks all carry the same arguments, so they are one request, and every tick
+  after the first run would be skipped as done;
 * a setting that lost its ``celery_`` prefix (``lock_ttl`` in ``app.conf``), or is misspelled
   (``celery_lock_redis``), which nothing reads. (Django's
   ``config_from_object("django.conf:settings", namespace="CELERY")`` shows a
@@ -39,10 +42,12 @@ import difflib
 import logging
 import sys
 from collections.abc import Iterable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import redis
 from celery import Celery
+from celery.schedules import schedule as celery_schedule
 from kombu.utils.imports import symbol_by_name
 
 from .config import LockSettings, conf_value
@@ -53,6 +58,7 @@ from .runtime import first_broker_url, lock_store_url
 from .store import REFUSED_ERRORS, TRANSIENT_ERRORS, LockStore, address_of, reach
 
 __all__ = [
+    "beat_warnings",
     "bodies_per_process",
     "connection_warnings",
     "delivery_warnings",
@@ -121,6 +127,44 @@ _DELIVERY_COSTS: dict[str, str] = {
     "retry_on_worker_lost": "a killed holder's message becomes a Celery retry, counted against "
     "max_retries",
 }
+
+
+def beat_warnings(app: Celery) -> list[str]:
+    """Which ``beat_schedule`` entries send a ``LockedTask`` at an interval no longer than its
+    done TTL. Beat sends an entry's fixed arguments at every tick, so the ticks are one
+    request: once a run succeeds, every tick is skipped as done until the marker expires.
+    Entries on a ``crontab`` or ``solar`` schedule, and tasks keyed by a function (which may
+    read the clock), are not checked."""
+    from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
+
+    found = []
+    for entry_name, entry in (app.conf.beat_schedule or {}).items():
+        task = app.tasks.get(entry.get("task"))
+        if not isinstance(task, LockedTask) or callable(task.lock_key):
+            continue
+        every = _interval(entry.get("schedule"))
+        done_ttl = task.lock_settings().done_ttl
+        if every is not None and done_ttl >= every:
+            found.append(
+                f"beat entry {entry_name!r} sends {task.name} the same arguments every "
+                f"{every:g}s, within its done TTL ({done_ttl:g}s): its ticks are one request, "
+                "and each tick after the first run is skipped as done. Set lock_done_ttl below "
+                "the period for runs that must not overlap, or key the task by the period "
+                "(docs/concepts.md, Periodic tasks)"
+            )
+    return found
+
+
+def _interval(schedule: Any) -> float | None:
+    """The seconds between a beat entry's ticks, for an interval schedule (a number, a
+    ``timedelta``, a ``celery.schedules.schedule``); ``None`` for any other."""
+    if isinstance(schedule, (int, float)) and not isinstance(schedule, bool):
+        return float(schedule)
+    if isinstance(schedule, timedelta):
+        return schedule.total_seconds()
+    if type(schedule) is celery_schedule:  # exactly: a subclass may tick otherwise
+        return float(schedule.run_every.total_seconds())  # type: ignore[attr-defined]
+    return None
 
 
 def delivery_warnings(task: Any) -> list[str]:
@@ -385,6 +429,7 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore], bodies: int = 1) 
             settings = task.lock_settings()
             if settings != LockSettings.resolve(app.conf):
                 found += settings_warnings(app, task.name, settings)
+    found += beat_warnings(app)
     try:
         prefixes = store_prefixes(app)
     except ConfigurationError:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import types
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +18,8 @@ import pytest
 import redis
 from celery import Celery
 from celery import _state as celery_state
+from celery.schedules import crontab
+from celery.schedules import schedule as celery_schedule
 from celery.worker.request import Request
 
 from celery_lock import ConfigurationError, LockedTask, LockSettings, checks
@@ -321,3 +325,65 @@ def test_a_request_class_not_derived_from_locked_request_is_warned_about_at_star
         "task-skipped event (Flower shows it as SKIPPED without one), and a deferred copy is "
         "published with the task's serializer, not its message's"
     ]
+
+
+# -- a beat entry whose ticks are all one done request ------------------------------------------
+
+
+@pytest.fixture
+def beat_app() -> Celery:
+    app = Celery("claims_beat", broker="redis://127.0.0.1:1/0", set_as_current=False)
+
+    @app.task(base=LockedTask, name="claims.beat.sweep", shared=False)
+    def sweep() -> None: ...
+
+    @app.task(base=LockedTask, name="claims.beat.brief", lock_done_ttl=60, shared=False)
+    def brief() -> None: ...
+
+    @app.task(base=LockedTask, name="claims.beat.clocked", shared=False,
+              lock_key=lambda: str(time.time() // 300))  # fmt: skip
+    def clocked() -> None: ...
+
+    @app.task(name="claims.beat.plain", shared=False)
+    def plain() -> None: ...
+
+    return app
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [300, 300.0, timedelta(minutes=5), celery_schedule(timedelta(minutes=5))],
+    ids=["int", "float", "timedelta", "schedule"],
+)
+def test_a_beat_entry_within_its_tasks_done_ttl_is_warned_about(
+    beat_app: Celery, schedule: Any
+) -> None:
+    """concepts.md, Periodic tasks: an entry's ticks are one request, so with the default done
+    TTL (a day) every tick after the first run is skipped as done. It used to pass unsaid."""
+    entry = {"task": "claims.beat.sweep", "schedule": schedule}
+    beat_app.conf.beat_schedule = {"sweep-5min": entry}
+    assert checks.beat_warnings(beat_app) == [
+        "beat entry 'sweep-5min' sends claims.beat.sweep the same arguments every 300s, within "
+        "its done TTL (86400s): its ticks are one request, and each tick after the first run is "
+        "skipped as done. Set lock_done_ttl below the period for runs that must not overlap, or "
+        "key the task by the period (docs/concepts.md, Periodic tasks)"
+    ]
+    assert checks.beat_warnings(beat_app)[0] in checks.warn_at_startup(beat_app, {})
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"task": "claims.beat.brief", "schedule": 300},  # done TTL below the period
+        {"task": "claims.beat.clocked", "schedule": 300},  # keyed by a function: may read time
+        {"task": "claims.beat.plain", "schedule": 300},  # not a LockedTask
+        {"task": "claims.beat.sweep", "schedule": crontab(minute="*/5")},  # not an interval
+        {"task": "elsewhere.unknown", "schedule": 300},  # a task this app does not have
+    ],
+    ids=["done-ttl-below-period", "key-function", "plain-task", "crontab", "unknown-task"],
+)
+def test_a_beat_entry_whose_ticks_can_run_is_not_warned_about(
+    beat_app: Celery, entry: dict[str, Any]
+) -> None:
+    beat_app.conf.beat_schedule = {"entry": entry}
+    assert checks.beat_warnings(beat_app) == []
