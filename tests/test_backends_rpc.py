@@ -3,7 +3,7 @@ over RabbitMQ: an in-process worker on the machine's RabbitMQ service, on a queu
 
 ``rpc://`` sends each state to the caller's reply queue as a message. A state that is not ready
 (``SKIPPED``, ``RETRY``) is put back after each poll, so ``.state`` and ``follow`` read it
-again.
+again; a ``.get()`` consumes it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController, start_worker
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 from conftest import hold, wait_for
 
 from celery_lock import SKIPPED, ConfigurationError, LockedTask, follow, is_skipped
 from celery_lock.store import LockStore
 
 TIMEOUT = 20
+SHORT = 0.5
 pytestmark = [pytest.mark.amqp, pytest.mark.usefixtures("close_lock_runtime")]
 QUEUE = f"celery-lock-rpc-{uuid.uuid4().hex[:8]}"
 
@@ -81,6 +83,19 @@ def test_a_skipped_copy_reads_skipped_and_follow_refuses_it(
     with pytest.raises(ConfigurationError, match=r"^result_backend: follow\(\) cannot follow"):
         follow(copy, timeout=TIMEOUT)
     assert copy.state == SKIPPED  # still there for a later read
+
+
+def test_a_get_consumes_a_skip_that_follow_then_cannot_see(
+    worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    # docs/api.md: on rpc://, a .get() takes the SKIPPED state it cannot return off the reply
+    # queue; from then on the copy reads PENDING, and follow waits until its timeout.
+    copy = skipped_copy(tasks, store)
+    with pytest.raises(CeleryTimeoutError):
+        copy.get(timeout=SHORT, interval=0.05)
+    assert copy.state == "PENDING"
+    with pytest.raises(CeleryTimeoutError):
+        follow(copy, timeout=SHORT)
 
 
 def test_a_copy_skipped_as_success_is_returned_as_its_marker(
