@@ -13,9 +13,15 @@ completes as ``SUCCESS`` with that same dict as its return value, so chains and 
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any
 
+from celery import Task
+
 __all__ = ["SKIPPED", "is_skipped", "skipped_marker"]
+
+logger = logging.getLogger(__name__)
 
 #: The state of a copy that was skipped because its request was running or done.
 SKIPPED = "SKIPPED"
@@ -37,3 +43,42 @@ def skipped_marker(lock_key: str, reason: str, holder: str, task: str) -> dict[s
 def is_skipped(value: Any) -> bool:
     """Whether ``value`` is the result or meta of a skipped copy."""
     return isinstance(value, dict) and value.get(_MARKER) == "skipped"
+
+
+def store_skipped(task: Task[Any, Any], task_id: str, meta: dict[str, str]) -> None:
+    """Store ``SKIPPED`` with ``meta`` as the state of ``task``'s copy ``task_id``.
+
+    Celery gives a stored state a ``date_done`` only when it is a ready state, and SKIPPED,
+    which never changes, is not one. The database backend deletes expired results by their
+    ``date_done`` (``celery.backend_cleanup``): a SKIPPED row without one stayed for ever, one
+    row per skipped copy, so it gets one here.
+    """
+    task.update_state(task_id=task_id, state=SKIPPED, meta=meta)
+    # Imported only if the app uses it (it needs SQLAlchemy): not imported, not in use.
+    database = sys.modules.get("celery.backends.database")
+    if database is not None and isinstance(task.backend, database.DatabaseBackend):
+        try:
+            _stamp_date_done(task.backend, task_id)
+        except Exception:  # the skip is stored: a row left to stay is worth a log line
+            logger.warning(
+                "celery-lock: could not set date_done of skipped task %s; "
+                "backend_cleanup will not delete its result",
+                task_id,
+                exc_info=True,
+            )
+
+
+def _stamp_date_done(backend: Any, task_id: str) -> None:
+    """Set ``date_done`` of ``task_id``'s row to now, as Celery sets it for a ready state."""
+    table = backend.task_cls
+    session = backend.ResultSession()
+    try:
+        session.query(table).filter(table.task_id == task_id).update(
+            {table.date_done: backend.app.now()}, synchronize_session=False
+        )
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()

@@ -80,7 +80,7 @@ from .keys import KeyDeriver, LockKeySpec, RequestKeys
 from .lease import Acquired, Done, Held, Holder, Lease, new_token
 from .request import SkippedCopy
 from .runtime import get_runtime
-from .states import SKIPPED, skipped_marker
+from .states import skipped_marker, store_skipped
 
 __all__ = ["DEFERRALS_HEADER", "LockedContext", "LockedTask"]
 
@@ -747,7 +747,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 )  # fmt: skip
             return meta
         if request.id and not request.is_eager and not _ignores_result(self, request):
-            self.update_state(task_id=request.id, state=SKIPPED, meta=meta)
+            store_skipped(self, request.id, meta)
         return _Ignored(SkippedCopy(keys.lock, reason, holder))
 
     def _defer(

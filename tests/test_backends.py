@@ -10,6 +10,7 @@ complete it as ``SUCCESS`` under ``skip_as_success``, show a deferred copy as ``
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +196,21 @@ def test_a_chord_body_runs_once_with_a_member_deferred(
     store.release(lease, success=False, done_ttl_ms=60_000)
     assert result.get(timeout=TIMEOUT) == ["staged 6", "staged 7"]
     assert gathered == [["staged 6", "staged 7"]]
+
+
+@pytest.mark.parametrize("backend_url", ["db+sqlite"], indirect=True)
+def test_the_database_backend_s_cleanup_deletes_a_skipped_copy_s_row(
+    celery_app: Celery, worker: Any, tasks: dict[str, Any], store: LockStore
+) -> None:
+    """Celery's backend_cleanup deletes rows by their ``date_done``, which Celery sets for ready
+    states alone: a SKIPPED row had none, and stayed in the table for ever."""
+    hold(store, tasks["process"], 7, "holder-id")
+    copy = tasks["process"].delay(7)
+    wait_for("the copy to be SKIPPED", lambda: copy.state == SKIPPED, TIMEOUT)
+    ran = tasks["process"].delay(8)
+    ran.get(timeout=TIMEOUT)
+    backend = celery_app.backend
+    backend.expires = timedelta(0)  # everything stored so far has expired
+    backend.cleanup()
+    assert celery_app.AsyncResult(ran.id).state == "PENDING"  # its row deleted
+    assert celery_app.AsyncResult(copy.id).state == "PENDING"
