@@ -165,7 +165,7 @@ def test_a_retry_on_a_quorum_queue_runs_on_the_queue_it_came_from(
     assert result.get(timeout=TIMEOUT) == 7
 
 
-@pytest.mark.parametrize("work_binding_key", [f"{WORK_QUEUE}.#"])
+@pytest.mark.parametrize("work_binding_key", [f"{WORK_QUEUE}.#"], ids=["topic-pattern"])
 def test_a_copy_routed_by_a_topic_pattern_is_deferred_to_the_queue_it_came_from(
     stage: Any, redo: Any, work_worker: Any, store: LockStore, deferrals: list[str]
 ) -> None:

@@ -669,13 +669,21 @@ def test_a_release_the_store_stays_unavailable_for_is_given_up_once_the_lease_la
     bodies.proceed.set()  # the lease still held: its release is refused (MISCONF), not lost
     result.get(timeout=TIMEOUT)
     assert result.state == "SUCCESS"
-    wait_for("the release given up", lambda: logs.messages(logging.ERROR, "gave up"), TIMEOUT)
-    [gave_up] = logs.messages(logging.ERROR, "gave up")
-    assert "no done-marker was written" in gave_up
+
+    # The heartbeat gives up once a whole TTL has passed since the lease was last confirmed.
+    # A try it sent a moment earlier that reached the store only after Redis expired the lease
+    # (a loaded machine) finds it gone: answered without a write, which MISCONF lets through,
+    # as a release of a lease no longer held. Either way the lease lapsed without a marker.
+    def lapsed() -> bool:
+        return bool(logs.messages(logging.ERROR, "gave up")) or bool(released)
+
+    wait_for("the release given up, or found lapsed", lapsed, TIMEOUT)
+    for gave_up in logs.messages(logging.ERROR, "gave up"):
+        assert "no done-marker was written" in gave_up
+    assert [(r["owned"], r["success"]) for r in released] in ([], [(False, False)])
     repair_saves(admin, dump)
     keys = tasks["slow"].request_keys((7,), {})
     assert not admin.exists(keys.lock, keys.done)  # lapsed; no marker
-    assert released == []
 
 
 def test_a_release_left_for_later_is_tried_with_its_outcome_when_the_process_hands_back(
