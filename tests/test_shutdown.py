@@ -1,7 +1,9 @@
-"""Shutdown, revoke and start-up checks, with real prefork workers.
+"""Shutdown, revoke, Celery's own limits and start-up checks, with real prefork workers.
 
-A body cut short by ``revoke(terminate=True)`` or by a shutdown that stops waiting hands its
-lease back, so its returning message runs at once rather than after the lease TTL (30 s here).
+A body cut short by ``revoke(terminate=True)``, by a shutdown that stops waiting, or by a time
+limit hands its lease back (no done-marker unless the body returned), so its returning message
+runs at once, with the next fence, rather than after the lease TTL (30 s here). So do pool
+processes recycled between tasks, and a body whose broker connection is lost meanwhile.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, Task
 from conftest import close_producer, wait_for
 
 from celery_lock.testing import CeleryWorker, RedisServer
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.worker
 
 ROOT = Path(__file__).resolve().parent.parent
 HOLD_KEY = "celery-lock:{storm.hold:1}:lock"
+HOLD_DONE = "celery-lock:{storm.hold:1}:done:storm.hold"
 PROMPTLY = 10.0  # well under the 30 s lease TTL of storm.hold
 
 
@@ -81,7 +84,7 @@ def test_revoke_terminate_releases_the_lease(
     took = seconds_until("the lease to be released", lambda: not locks.exists(HOLD_KEY), PROMPTLY)
     print(f"lease released {took:.2f}s after revoke")
     wait_for("REVOKED", lambda: result.state == "REVOKED", 10)
-    assert not locks.exists("celery-lock:{storm.hold:1}:done:storm.hold")
+    assert not locks.exists(HOLD_DONE)
 
 
 def test_running_body_finishes_on_warm_shutdown_and_releases_with_done_marker(
@@ -94,7 +97,7 @@ def test_running_body_finishes_on_warm_shutdown_and_releases_with_done_marker(
     worker.wait(30)
     assert result.state == "SUCCESS"
     assert not locks.exists(HOLD_KEY)
-    assert locks.exists("celery-lock:{storm.hold:1}:done:storm.hold")
+    assert locks.exists(HOLD_DONE)
 
 
 def test_shutdown_that_cuts_a_body_short_hands_its_lease_back(
@@ -155,3 +158,117 @@ def test_worker_warns_about_settings_that_contradict_the_guarantees(
     assert "maxmemory-policy allkeys-lru" in log
     assert "app.conf has lock_ttl but no celery_lock_ttl" in log
     assert "write CELERY_CELERY_LOCK_TTL" in log
+
+
+# -- time limits, recycled pool processes, a lost broker connection -----------------------------
+
+
+def started_fences(records: redis.Redis) -> list[int]:
+    return [json.loads(raw)["fence"] for raw in records.lrange("storm:started", 0, -1)]
+
+
+def finished_runs(records: redis.Redis) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in records.lrange("storm:runs", 0, -1)]
+
+
+def state(app: Celery, task_id: str) -> str:
+    """The stored state, read afresh (an ``AsyncResult`` keeps the first ready state it saw:
+    a FAILURE a rerun later overwrites with SUCCESS)."""
+    return str(app.backend.get_task_meta(task_id)["status"])
+
+
+def test_a_soft_time_limit_fails_the_task_and_releases_without_a_done_marker(
+    start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
+) -> None:
+    start_worker()
+    result = producer.send_task("storm.hold", args=(1,), soft_time_limit=1)
+    wait_for("FAILURE", lambda: state(producer, result.id) == "FAILURE", 20)
+    wait_for("the lease to be released", lambda: not locks.exists(HOLD_KEY), PROMPTLY)
+    assert not locks.exists(HOLD_DONE)
+    assert started_fences(records) == [1]
+
+
+def test_a_hard_time_limit_releases_the_lease_of_the_killed_body(
+    start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
+) -> None:
+    """billiard SIGTERMs the pool process (SIGKILL 0.1 s later): the SIGTERM's exception runs
+    the body's ``finally``. Celery acks the message as FAILURE."""
+    start_worker()
+    result = producer.send_task("storm.hold", args=(1,), time_limit=2)
+    wait_for("FAILURE", lambda: state(producer, result.id) == "FAILURE", 20)
+    wait_for("the lease to be released", lambda: not locks.exists(HOLD_KEY), PROMPTLY)
+    assert not locks.exists(HOLD_DONE)
+    assert started_fences(records) == [1]
+
+
+@pytest.mark.skipif(not hasattr(Task, "acks_on_timeout"), reason="task_acks_on_timeout: 5.7+")
+def test_a_message_requeued_after_a_hard_time_limit_runs_again_at_once(
+    start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
+) -> None:
+    """With ``task_acks_on_timeout = False`` Celery requeues the message before it kills the
+    process: the copy waits (deferred) for the lease or finds it released, never runs beside."""
+    start_worker(STORM_CONF=json.dumps({"task_acks_on_timeout": False}))
+    result = producer.send_task("storm.hold", args=(1,), time_limit=2)
+    wait_for("the rerun", lambda: finished_runs(records), 2 + PROMPTLY)
+    assert started_fences(records) == [1, 2]
+    wait_for("SUCCESS", lambda: state(producer, result.id) == "SUCCESS", 10)
+    assert locks.exists(HOLD_DONE)
+    assert not locks.exists(HOLD_KEY)
+
+
+@pytest.mark.parametrize("limit", ["--max-tasks-per-child", "--max-memory-per-child"])
+def test_recycled_pool_processes_keep_and_release_their_leases(
+    limit: str, start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
+) -> None:
+    """Each process runs one body (``1``: one task, or 1 KiB of RSS) and is replaced: each body
+    outlasts its 2 s TTL, so only the new process's heartbeat keeps its lease; a lease that
+    lapsed would be released unowned, without a done-marker."""
+    worker = start_worker(limit, "1")
+    results = [producer.send_task("storm.long", args=(i,), kwargs={"seconds": 3})
+               for i in range(3)]  # fmt: skip
+    wait_for("every request", lambda: all(r.state == "SUCCESS" for r in results), 60)
+    assert len({run["pid"] for run in finished_runs(records)}) == 3
+    for i in range(3):
+        assert locks.exists(f"celery-lock:{{storm.long:{i}}}:done:storm.long")
+    assert not list(locks.scan_iter("celery-lock:*:lock"))
+    assert "no longer held" not in worker.log()
+
+
+@pytest.fixture
+def broker() -> Iterator[RedisServer]:
+    """A broker of its own, whose clients a test can cut off without the lock store's."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_a_broker_connection_lost_mid_body_never_runs_the_request_twice_at_once(
+    cancel: bool, broker: RedisServer, start_worker: Any, worker_env: dict[str, str],
+    records: redis.Redis, locks: redis.Redis,
+) -> None:  # fmt: skip
+    """kombu restores the unacked message when the connection drops. Left running, the body
+    holds the lease: the restored copy is deferred until the done-marker acks it. Cancelled
+    (``worker_cancel_long_running_tasks_on_connection_loss``), the body is SIGTERMed and
+    releases: the restored copy runs at once with the next fence."""
+    conf = {"worker_cancel_long_running_tasks_on_connection_loss": cancel}
+    worker = start_worker(STORM_BROKER_URL=broker.url, STORM_CONF=json.dumps(conf))
+    app = Celery("producer", broker=broker.url, backend=worker_env["STORM_BACKEND_URL"],
+                 set_as_current=False)  # fmt: skip
+    try:
+        result = app.send_task("storm.hold", args=(1,), kwargs={"seconds": 4})
+        wait_for("the body to start", lambda: started_fences(records), 20)
+        with broker.client() as admin:
+            admin.client_kill_filter(_type="normal", skipme=True)
+            wait_for("SUCCESS", lambda: state(app, result.id) == "SUCCESS", 4 + PROMPTLY)
+            assert len(finished_runs(records)) == 1
+            assert started_fences(records) == ([1, 2] if cancel else [1])
+            assert locks.exists(HOLD_DONE)
+            if not cancel:
+                wait_for("the restored copy to be acked", lambda: "acking the redelivery"
+                         in worker.log(), 20)  # fmt: skip
+            wait_for("an empty broker", lambda: not admin.llen("celery")
+                     and not admin.hlen("unacked"), 20)  # fmt: skip
+        assert not locks.exists(HOLD_KEY)
+    finally:
+        close_producer(app)
+        worker.stop()
