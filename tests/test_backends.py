@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy
 from celery import Celery, chord
+from celery.backends.database.models import ResultModelBase
 from celery.contrib.testing.worker import TestWorkController
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from conftest import hold, wait_for
@@ -36,10 +38,22 @@ SHORT = 0.5
 pytestmark = pytest.mark.usefixtures("close_lock_runtime")
 
 
+def create_result_tables(url: str) -> None:
+    """Create the database backend's tables: Celery 5.3 creates them once per process
+    (``SessionManager.prepared``), in the first database only, and each test has its own."""
+    engine = sqlalchemy.create_engine(url)
+    try:
+        ResultModelBase.metadata.create_all(engine)
+    finally:
+        engine.dispose()
+
+
 @pytest.fixture(params=["db+sqlite", "file", "cache+memory"])
 def backend_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "db+sqlite":
-        return f"db+sqlite:///{tmp_path / 'results.db'}"
+        url = f"sqlite:///{tmp_path / 'results.db'}"
+        create_result_tables(url)
+        return f"db+{url}"
     if request.param == "file":
         (tmp_path / "results").mkdir()
         return f"file://{tmp_path / 'results'}"
