@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -232,31 +232,21 @@ def test_an_extend_only_ever_lengthens_the_fence_counters_ttl(
         store.client.close()
 
 
-def test_a_store_that_hangs_does_not_hold_back_another_stores_extends(
-    lock_url: str, lock_redis: redis.Redis
-) -> None:
-    # Tasks on two lock stores in one process. One store stops answering (its redis-server is
-    # SIGSTOPped: connections still open, replies never come), and each extend there waits
-    # out two socket timeouts (10 s). The other store's lease, of a 2 s TTL, must be extended
-    # all along, not lapse while the beat waits.
+@contextlib.contextmanager
+def _hung_and_healthy_stores(
+    lock_url: str,
+) -> Iterator[tuple[RedisServer, LockStore, LockStore, Heartbeat]]:
+    """A store whose redis-server the test may pause (SIGSTOP: connections stay open, replies
+    never come), a healthy store, and a heartbeat; all ended however the test ends."""
     with RedisServer() as hanging_server:
         hanging = LockStore.from_url(hanging_server.url)
         healthy = LockStore.from_url(lock_url)
         heartbeat = Heartbeat()
-        stuck = _granted(hanging, "stuck", 60_000)
-        kept = _granted(healthy, "kept", 2_000)
         try:
-            heartbeat.add(stuck, 0.5)  # first: its store comes first in every beat
-            heartbeat.add(kept, 0.5)
-            hanging_server.pause()
-            deadline = time.monotonic() + 6.0  # three of the kept lease's TTLs
-            while time.monotonic() < deadline:
-                assert lock_redis.exists(kept.keys.lock), "the healthy store's lease lapsed"
-                time.sleep(0.2)
-            assert not kept.lost
+            yield hanging_server, hanging, healthy, heartbeat
         finally:
             hanging_server.resume()
-            heartbeat.stop()
+            heartbeat.stop(timeout=20)
             # The stuck extend gets its reply now: let it end before its client is closed,
             # or its retry would open a connection nothing closes.
             for thread in list(heartbeat._in_flight.values()):
@@ -265,36 +255,43 @@ def test_a_store_that_hangs_does_not_hold_back_another_stores_extends(
             hanging.client.close()
 
 
+def _assert_extended_throughout(lock_redis: redis.Redis, lease: Lease, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert lock_redis.exists(lease.keys.lock), "the healthy store's lease lapsed"
+        time.sleep(0.2)
+    assert not lease.lost
+
+
+def test_a_store_that_hangs_does_not_hold_back_another_stores_extends(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    # Tasks on two lock stores in one process. One store stops answering, and each extend
+    # there waits out two socket timeouts (10 s). The other store's lease, of a 2 s TTL, must
+    # be extended all along (for three of its TTLs), not lapse while the beat waits.
+    with _hung_and_healthy_stores(lock_url) as (hanging_server, hanging, healthy, heartbeat):
+        stuck = _granted(hanging, "stuck", 60_000)
+        kept = _granted(healthy, "kept", 2_000)
+        heartbeat.add(stuck, 0.5)  # first: its store comes first in every beat
+        heartbeat.add(kept, 0.5)
+        hanging_server.pause()
+        _assert_extended_throughout(lock_redis, kept, 6.0)
+
+
 def test_a_store_that_hangs_alone_does_not_hold_back_a_lease_on_another_store_added_meanwhile(
     lock_url: str, lock_redis: redis.Redis
 ) -> None:
     # Tasks on two lock stores in one process, but at the beat only one store's lease is held:
-    # that store hangs (its redis-server SIGSTOPped), and the beat waits out its extend (two
-    # socket timeouts, 10 s). A task on the other store that starts meanwhile, with a 2 s TTL,
-    # must have its lease extended all along, not wait for the hung store's extend to end.
-    with RedisServer() as hanging_server:
-        hanging = LockStore.from_url(hanging_server.url)
-        healthy = LockStore.from_url(lock_url)
-        heartbeat = Heartbeat()
-        stuck = _granted(hanging, "stuck", 60_000)
-        try:
-            heartbeat.add(stuck, 0.5)
-            hanging_server.pause()
-            time.sleep(1.0)  # two intervals: a beat is now waiting on the hung store
-            kept = _granted(healthy, "kept", 2_000)
-            heartbeat.add(kept, 0.5)
-            deadline = time.monotonic() + 6.0  # three of the kept lease's TTLs
-            while time.monotonic() < deadline:
-                assert lock_redis.exists(kept.keys.lock), "the healthy store's lease lapsed"
-                time.sleep(0.2)
-            assert not kept.lost
-        finally:
-            hanging_server.resume()
-            heartbeat.stop(timeout=20)
-            for thread in list(heartbeat._in_flight.values()):
-                thread.join(20)
-            healthy.client.close()
-            hanging.client.close()
+    # that store hangs, and the beat waits out its extend (two socket timeouts, 10 s). A task
+    # on the other store that starts meanwhile, with a 2 s TTL, must have its lease extended
+    # all along, not wait for the hung store's extend to end.
+    with _hung_and_healthy_stores(lock_url) as (hanging_server, hanging, healthy, heartbeat):
+        heartbeat.add(_granted(hanging, "stuck", 60_000), 0.5)
+        hanging_server.pause()
+        time.sleep(1.0)  # two intervals: a beat is now waiting on the hung store
+        kept = _granted(healthy, "kept", 2_000)
+        heartbeat.add(kept, 0.5)
+        _assert_extended_throughout(lock_redis, kept, 6.0)
 
 
 def test_two_stores_are_extended_even_when_no_thread_can_start(
