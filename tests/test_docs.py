@@ -733,10 +733,11 @@ for order_id, task_id, pid in [(42, "1c5a5f06-3b7e-4d0a-9a51-0f6d3c7b9e21", 4242
     keys = RequestKeys.build("celery-lock", "shop.charge", str(order_id), "shop.charge")
     holder = Holder(task_id, "shop.charge", "celery@web-1", pid)
     token = new_token()
-    grant = store.acquire(keys, token, 30_000, holder, 86_400_000)
+    # Ten minutes: the lease outlives the page's commands however slow the machine is.
+    grant = store.acquire(keys, token, 600_000, holder, 86_400_000)
     assert isinstance(grant, Acquired)
     if order_id == 42:
-        store.release(Lease(store, keys, token, 30_000, grant.fence, holder), success=True,
+        store.release(Lease(store, keys, token, 600_000, grant.fence, holder), success=True,
                       done_ttl_ms=86_400_000)
 store.client.close()
 """
