@@ -3,7 +3,9 @@
 ``lock_key`` on a task says how to derive the request key from the bound arguments:
 
 * an argument name: ``lock_key="request_idx"``;
-* a format template over the bound arguments: ``lock_key="{tenant}:{request_idx}"``;
+* a format template over the bound arguments: ``lock_key="{tenant}:{request_idx}"``, with
+  literal text between any two fields (``"{tenant}{request_idx}"`` reads ``("a1", 23)`` and
+  ``("a12", 3)`` alike, and is refused);
 * a callable taking the task's ``*args, **kwargs`` and returning the key (``str``, ``bytes``,
   ``int``, or anything read as an argument is);
 * ``None`` (default): a stable digest of the task name and all bound arguments.
@@ -14,6 +16,9 @@ An argument in a name or template key (or a value a template reaches through one
 canonical JSON (a ``dict``, ``list``, ``tuple`` or ``set``: equal values give one key, whatever
 their order), or its ``str()``. A key made of ``None`` alone is refused (every call missing the
 value would become one request), and so is a value whose only text is its memory address.
+Values are not escaped: one that holds a template's separator reads as a split the template did
+not mean (``{a}:{b}`` keys ``("x:y", "z")`` and ``("x", "y:z")`` alike), a limit documented
+rather than fixed, as escaping would change the keys of requests in flight across an upgrade.
 
 The Redis keys of one request share a hash tag, so every script runs on one Redis Cluster slot::
 
@@ -353,7 +358,8 @@ class KeyDeriver:
 
         Raises:
             LockKeyError: ``spec`` names an argument (or template field) the task does not have,
-                or the ``**kwargs`` parameter itself; the template is malformed.
+                or the ``**kwargs`` parameter itself; the template is malformed, or joins two
+                fields with nothing between them.
         """
         deriver = cls(task_name, signature, spec)
         if isinstance(spec, str):
@@ -400,9 +406,23 @@ class KeyDeriver:
                 f"lock_key template {self.spec!r} is malformed: {exc}", task_name=self.task_name
             ) from exc
         names = []
-        for _, template_field, _, conversion in parsed:
+        previous: str | None = None  # the field before, while no literal text has followed it
+        for literal, template_field, _, conversion in parsed:
+            if literal:
+                previous = None
             if template_field is None:
                 continue
+            if previous is not None:
+                # "{a}{b}" reads a="1", b="23" and a="12", b="3" alike, as "123": two requests
+                # with one key, and the second skipped as a duplicate of the first.
+                raise LockKeyError(
+                    f"lock_key template {self.spec!r} joins {{{previous}}} and "
+                    f"{{{template_field}}} with nothing between them, so different values can "
+                    f"read alike ('1' + '23', '12' + '3'): add a separator, such as "
+                    f"'{{{previous}}}:{{{template_field}}}'",
+                    task_name=self.task_name,
+                )
+            previous = template_field
             if conversion not in (None, "r", "s", "a"):
                 raise LockKeyError(
                     f"lock_key template {self.spec!r} is malformed: unknown conversion "

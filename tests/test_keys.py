@@ -829,6 +829,32 @@ def test_malformed_template_fails_at_class_creation(template: str) -> None:
             pass
 
 
+@pytest.mark.parametrize(
+    "template",
+    ["{tenant}{request_idx}", "x:{tenant}{request_idx!r}:y", "{tenant:>4}{request_idx.real}"],
+    ids=["adjacent", "among-literals", "spec-and-sub-field"],
+)
+def test_a_template_joining_two_fields_without_a_separator_fails_at_class_creation(
+    template: str,
+) -> None:
+    """``("1", "23")`` and ``("12", "3")`` read alike as ``123``: one request, and one of the
+    two was skipped as a duplicate of the other."""
+    with pytest.raises(
+        LockKeyError, match=r"keys_tests\.glued: lock_key template .* add a separator"
+    ):
+
+        @app.task(name="keys_tests.glued", lock_key=template, **TASK_OPTIONS)
+        def glued(tenant: Any, request_idx: Any) -> None:
+            pass
+
+
+@pytest.mark.parametrize("spec", ["{cart}-{note}", "cart:{cart}{{}}{note}{{y}}", "{cart}{{{note}"])
+def test_a_template_whose_fields_a_literal_separates_is_accepted(spec: str) -> None:
+    # An escaped brace is literal text, and separates as any other does.
+    derive = KeyDeriver.create("t", inspect.signature(_cart_task), spec)
+    assert derive.request_key(("1", 23), {}) != derive.request_key(("12", 3), {})
+
+
 @pytest.mark.parametrize("spec", ["opts", "{opts}", "{tenant}:{opts[request_idx]}"])
 def test_lock_key_naming_the_kwargs_parameter_itself_fails_at_class_creation(spec: str) -> None:
     with pytest.raises(
