@@ -14,7 +14,8 @@ An argument in a name or template key (or a value a template reaches through one
 ``{order.id}``, ``{invoice[number]}``) reads as itself (a ``str``), its decimal digits (an
 ``int``), ``true``/``false``/``null`` (a ``bool`` or ``None``), its digest (``bytes``), its
 canonical JSON (a ``dict``, ``list``, ``tuple`` or ``set``: equal values give one key, whatever
-their order), or its ``str()``. A key made of ``None`` alone is refused (every call missing the
+their order), what kombu's ``__json__`` hook returns (as the worker receives it), or its
+``str()``. A key made of ``None`` alone is refused (every call missing the
 value would become one request), and so is a value whose only text is its memory address.
 Values are not escaped: one that holds a template's separator reads as a split the template did
 not mean (``{a}:{b}`` keys ``("x:y", "z")`` and ``("x", "y:z")`` alike), a limit documented
@@ -189,6 +190,9 @@ def _as_received(value: Any, escape_tags: bool = False) -> Any:
         return int.__int__(value)
     if isinstance(value, float):
         return float.__float__(value)
+    reduced = _json_hook(value)
+    if reduced is not _NO_HOOK:
+        return _as_received(reduced, escape_tags)
     for clock in _CLOCKS:
         if isinstance(value, clock):
             if (
@@ -202,6 +206,29 @@ def _as_received(value: Any, escape_tags: bool = False) -> Any:
             # without the fold of a wall time the clock repeats (``fromtimestamp`` gives it).
             return clock.fromisoformat(clock.isoformat(value))
     return value
+
+
+#: What :func:`_json_hook` returns for a value without the hook.
+_NO_HOOK: Any = object()
+
+
+def _json_hook(value: Any) -> Any:
+    """What kombu's JSON sends for ``value`` by its ``__json__`` hook, or :data:`_NO_HOOK`.
+
+    kombu asks the hook of any value JSON cannot write itself, before its own types (a
+    ``datetime``): a pydantic model with the hook (which Celery leaves to it under
+    ``pydantic=True``) or any object of the user's arrives as what the hook returns.
+
+    Raises:
+        TypeError: the hook raised (kombu's JSON would fail to send the value too).
+    """
+    hook = getattr(value, "__json__", None)
+    if hook is None:
+        return _NO_HOOK
+    try:
+        return hook()
+    except Exception as exc:
+        raise TypeError(f"{type(value).__name__}.__json__ raised {exc!r}") from exc
 
 
 def _json_key(key: Any) -> Any:
@@ -295,6 +322,13 @@ def _render(value: Any) -> str | bytes:
         return int.__repr__(value)
     if isinstance(value, float):
         return float.__repr__(value)
+    reduced = _NO_HOOK if isinstance(value, _CONTAINERS) else _json_hook(value)
+    if reduced is not _NO_HOOK:
+        # As the worker receives it: what the hook returns, read by this same table.
+        try:
+            return _render(_as_received(reduced))
+        except RecursionError:
+            raise TypeError("the value holds itself or is nested too deeply") from None
     if isinstance(value, _CONTAINERS):
         try:
             return _canonical_json(value)
@@ -565,6 +599,10 @@ class KeyDeriver:
             raise LockKeyError(
                 "cannot derive the request key: an argument holds itself or is nested too deeply",
                 task_name=self.task_name,
+            ) from exc
+        except TypeError as exc:  # a __json__ hook raised
+            raise LockKeyError(
+                f"cannot derive the request key: {exc}", task_name=self.task_name
             ) from exc
         try:
             key = function(*received, **received_kwargs)

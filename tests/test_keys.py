@@ -1182,6 +1182,73 @@ def test_an_item_template_the_publish_check_accepts_is_one_the_worker_accepts() 
     assert derive.request_key(_as_worker_receives(sent), {}) == "socks"
 
 
+class _Shipment:
+    """Sent by kombu's JSON as what its ``__json__`` returns (kombu's hook for such objects)."""
+
+    def __init__(self, number: str) -> None:
+        self.number = number
+
+    def __json__(self) -> dict[str, Any]:
+        return {"number": self.number}
+
+    def __str__(self) -> str:
+        return f"shipment {self.number}"
+
+
+def _outcome(derive: KeyDeriver, args: tuple[Any, ...]) -> str:
+    try:
+        return derive.request_key(args, {})
+    except LockKeyError:
+        return "LockKeyError"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [None, "cart", "{cart}:{note}", "{cart[number]}", "{cart!r}", "{cart.number}",
+     lambda cart, note: cart["number"]],
+    ids=["digest", "name", "template", "item", "repr", "attribute", "callable"],
+)  # fmt: skip
+def test_an_object_sent_by_its_json_hook_keys_as_the_worker_receives_it(spec: Any) -> None:
+    """The worker receives ``{"number": "S-1"}``: the caller keyed the object by its str(), so
+    a direct call and a sent copy did not exclude each other, the default key refused a call
+    the worker could key, and ``{cart.number}`` passed at publish and failed on the worker."""
+    derive = _cart_deriver(spec)
+    sent = (_Shipment("S-1"), "n")
+    assert _outcome(derive, sent) == _outcome(derive, _as_worker_receives(sent))
+
+
+@pytest.mark.skipif(
+    not hasattr(Task, "_dump_pydantic_arguments"),
+    reason="this Celery does not dump pydantic models at publish",
+)
+@pytest.mark.parametrize("spec", [None, "{order[id]}", "{order.id}"])
+def test_a_pydantic_model_with_a_json_hook_keys_as_the_worker_receives_it(spec: Any) -> None:
+    # Celery leaves such a model to kombu, which sends what __json__ returns.
+    pydantic = pytest.importorskip("pydantic")
+
+    class Order(pydantic.BaseModel):  # type: ignore[name-defined,misc]
+        id: int
+
+        def __json__(self) -> dict[str, Any]:
+            return {"id": self.id}
+
+    def ship(order: Order) -> None:
+        pass
+
+    ship.__annotations__["order"] = Order
+    name = f"keys_tests.ship_model.{spec}"  # one task per key: a name registers once
+    task = app.task(name=name, lock_key=spec, pydantic=True, **TASK_OPTIONS)(ship)
+
+    def outcome(args: tuple[Any, ...]) -> str:
+        try:
+            return task.request_keys(args, {}).lock
+        except LockKeyError:
+            return "LockKeyError"
+
+    sent = (Order(id=7),)
+    assert outcome(sent) == outcome(_as_worker_receives(sent))
+
+
 @pytest.mark.parametrize(
     ("spec", "value"),
     [("{cart.value}", _Kind.REFUND), ("{cart.name}", _Kind.REFUND),

@@ -130,10 +130,31 @@ def models(celery_app: Celery, runs: list[tuple[str, Any]]) -> dict[str, Any]:
         runs.append(("kw.by_default", order.id))
         return order.id
 
-    by_attribute.__annotations__["order"] = by_default.__annotations__["order"] = Order
+    def by_item(self: Any, order: Order) -> int:
+        runs.append(("kw.by_item", order.id))
+        return order.id
+
+    class Sent(Order):  # type: ignore[misc,valid-type]
+        """Celery leaves a model with kombu's hook to kombu, which sends what it returns."""
+
+        def __json__(self) -> dict[str, Any]:
+            return {"id": self.id, "tenant": self.tenant}
+
+    def by_hook(order: Sent) -> int:
+        runs.append(("kw.by_hook", order.id))
+        return order.id
+
+    for function in (by_attribute, by_default, by_item):
+        function.__annotations__["order"] = Order
+    by_hook.__annotations__["order"] = Sent
     options: dict[str, Any] = {"base": LockedTask, "pydantic": True}
     return {
         "Order": Order,
+        "Sent": Sent,
+        "by_hook": celery_app.task(name="kw.by_hook", lock_key="{order[id]}", **options)(by_hook),
+        "by_item": celery_app.task(name="kw.by_item", lock_key="{order[id]}", bind=True, **options)(
+            by_item
+        ),
         "by_attribute": celery_app.task(name="kw.by_attribute", lock_key="{order.id}", **options)(
             by_attribute
         ),
@@ -165,6 +186,38 @@ def test_the_default_key_of_a_model_argument_is_the_digest_of_what_celery_sends(
     copy = task.delay(order)
     wait_for("the copy to end", lambda: copy.state in (SKIPPED, "SUCCESS", "FAILURE"), TIMEOUT)
     assert runs == [("kw.by_default", 7)], "the request ran twice"
+    assert (copy.state, copy.info["reason"]) == (SKIPPED, "done")
+
+
+@needs_model_dumps
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "keyword"])
+def test_an_item_template_over_a_model_keys_a_direct_call_and_a_sent_copy_alike(
+    models: dict[str, Any],
+    celery_worker: TestWorkController,
+    runs: list[tuple[str, Any]],
+    by_keyword: bool,
+) -> None:
+    """``{order[id]}`` reads the dict Celery sends for the model: at publish, where the caller
+    passes the model, on the worker, which receives the dict, and in a direct call."""
+    task, order = models["by_item"], models["Order"](id=7, tenant="acme")
+    assert task(order) == 7
+    copy = task.apply_async(kwargs={"order": order}) if by_keyword else task.delay(order)
+    wait_for("the copy to end", lambda: copy.state in (SKIPPED, "SUCCESS", "FAILURE"), TIMEOUT)
+    assert runs == [("kw.by_item", 7)], "the request ran twice"
+    assert (copy.state, copy.info["reason"]) == (SKIPPED, "done")
+    assert copy.info["lock_key"] == task.request_keys((), {"order": {"id": 7, "tenant": "x"}}).lock
+
+
+@needs_model_dumps
+def test_a_model_kombu_sends_by_its_json_hook_keys_a_direct_call_and_a_sent_copy_alike(
+    models: dict[str, Any], celery_worker: TestWorkController, runs: list[tuple[str, Any]]
+) -> None:
+    # The worker receives what __json__ returns; the caller refused {order[id]} of the model.
+    task, order = models["by_hook"], models["Sent"](id=7, tenant="acme")
+    assert task(order) == 7
+    copy = task.delay(order)
+    wait_for("the copy to end", lambda: copy.state in (SKIPPED, "SUCCESS", "FAILURE"), TIMEOUT)
+    assert runs == [("kw.by_hook", 7)], "the request ran twice"
     assert (copy.state, copy.info["reason"]) == (SKIPPED, "done")
 
 
