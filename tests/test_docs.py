@@ -792,6 +792,30 @@ def test_every_page_is_in_the_nav() -> None:
         assert f": {path.name}" in nav, f"mkdocs.yml: {path.name} is not in the nav"
 
 
+# Output pasted as the tool printed it, whose lines are the tool's: a heading, then its lines.
+PASTED_SECTIONS = {"### The goals, as the bench reports them"}
+
+
+def test_prose_is_wrapped_at_100_columns() -> None:
+    """Prose lines end by column 100, as the code does (pyproject's line-length). Code blocks,
+    table rows (one line each in Markdown) and pasted output keep their own lines."""
+    long_lines = []
+    for path in DOC_FILES:
+        fence: str | None = None
+        pasted = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            opening = FENCE.match(line)
+            if fence is None and opening:
+                fence = opening["fence"]
+            elif fence is not None:
+                fence = None if line.strip() == fence else fence
+            elif line.startswith("#"):
+                pasted = line.strip() in PASTED_SECTIONS
+            elif len(line) > 100 and not pasted and not line.lstrip().startswith("|"):
+                long_lines.append(f"{path.relative_to(ROOT)}:{number} ({len(line)})")
+    assert not long_lines, "lines longer than 100 columns:\n" + "\n".join(long_lines)
+
+
 def test_output_normalization_keeps_what_matters() -> None:
     assert normalize("a  1c5a5f06-3b7e-4d0a-9a51-0f6d3c7b9e21   12.3s\n") == "a <id> <t>"
     assert normalize('"age_s": 1.5,') == '"age_s": <n>,'
