@@ -1,4 +1,5 @@
-"""Every code block in README.md and docs/*.md is real code, and the site builds.
+"""Every code block in README.md, docs/*.md and the examples' READMEs is real code, and the site
+builds.
 
 Each fenced block is checked according to a marker: an HTML comment on the line before its fence
 (invisible on the rendered site)::
@@ -29,8 +30,8 @@ A page session gets a private ``redis-server``: in the code and commands it runs
 ``localhost:6379`` is replaced by that server's address, so the documented URLs stay the usual
 ones. Beyond the blocks, the prose is checked against the code: every ``--lock-*`` option exists
 on the worker, every ``celery ... lock ...`` command line parses, the settings tables list every
-setting with its default, the API page names every public name, and ``celery_lock.x.y`` names
-resolve.
+setting with its default, the API page names every public name, ``celery_lock.x.y`` names
+resolve, and every relative link leads to a file and, with ``#anchor``, to one of its headings.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ from celery_lock.testing import CeleryWorker, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-DOC_FILES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+EXAMPLE_READMES = sorted((ROOT / "examples").glob("**/README.md"))
+DOC_FILES = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *EXAMPLE_READMES]
 
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<kind>[\w-]+)\s*(?P<arg>.*?)\s*-->\s*$")
@@ -790,6 +792,52 @@ def test_every_page_is_in_the_nav() -> None:
     nav = (ROOT / "mkdocs.yml").read_text()
     for path in DOCS.glob("*.md"):
         assert f": {path.name}" in nav, f"mkdocs.yml: {path.name} is not in the nav"
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\((?P<target>[^)\s]+)\)")
+
+
+def _prose(path: Path) -> str:
+    """The page without its fenced blocks, whose brackets are code, not links."""
+    kept, fence = [], None
+    for line in path.read_text().splitlines():
+        opening = FENCE.match(line)
+        if fence is None and opening:
+            fence = opening["fence"]
+        elif fence is not None:
+            fence = None if line.strip() == fence else fence
+        else:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors of a page's headings, as mkdocs (runs of spaces and hyphens as one ``-``) and
+    GitHub (each space a ``-``) make them; a link may use either."""
+    found = set()
+    for line in _prose(path).splitlines():
+        if line.startswith("#"):
+            text = re.sub(r"[^\w\s-]", "", line.lstrip("#").strip().lower())
+            found |= {re.sub(r"[\s-]+", "-", text), re.sub(r"\s", "-", text)}
+    return found
+
+
+def test_relative_links_lead_to_a_file_and_heading() -> None:
+    """mkdocs checks the links of docs/ (when it is installed); this checks those of the README
+    and the examples too, as GitHub shows them."""
+    checked = 0
+    for path in DOC_FILES:
+        for match in LINK.finditer(_prose(path)):
+            target = match["target"]
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            assert linked.exists(), f"{path.relative_to(ROOT)}: {target}: no such file"
+            if anchor:
+                assert anchor in _anchors(linked), f"{path.relative_to(ROOT)}: {target}: no heading"
+            checked += 1
+    assert checked > 50
 
 
 # Output pasted as the tool printed it, whose lines are the tool's: a heading, then its lines.
