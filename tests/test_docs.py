@@ -59,6 +59,7 @@ import celery_lock
 from celery_lock import CeleryLockError, LockSettings
 from celery_lock.cli import lock as lock_command
 from celery_lock.testing import CeleryWorker, RedisServer
+from celery_lock.worker import WORKER_OPTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -335,6 +336,14 @@ def _check_stub(where: str, body: list[ast.stmt], owner: Any) -> None:
                     f"{where}: {node.name} does not derive from {base_name}"
                 )
             _check_stub(f"{where} {node.name}", node.body, real)
+            # The other way too: a field or task option added to the class is added to the page.
+            stubbed = {
+                n.target.id
+                for n in node.body
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            }
+            declared = {name for name in inspect.get_annotations(real) if not name.startswith("_")}
+            assert declared <= stubbed, f"{where} {node.name}: undocumented {declared - stubbed}"
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             _check_attribute(where, node.target.id, node.value, owner)
         elif isinstance(node, ast.Assign):
@@ -424,7 +433,15 @@ def test_settings_tables_list_every_setting_with_its_default(path: Path) -> None
             assert "broker URL" in default, row
         else:
             assert _documented_default(field.default) in default, row
-    for option in ("lock_key", "lock_scope"):
+    # The task-only options: every lock_* option of LockedTask that is not a setting's.
+    settings_options = {f"lock_{field.name}" for field in fields(LockSettings)}
+    task_only = {
+        name
+        for name in inspect.get_annotations(celery_lock.LockedTask)
+        if name.startswith("lock_") and name not in settings_options
+    }
+    assert task_only >= {"lock_key", "lock_scope"}
+    for option in task_only:
         assert [row for row in rows if f"`{option}`" in row], f"{path.name}: {option}"
 
 
@@ -453,6 +470,18 @@ def _command_lines() -> Iterator[tuple[Block, list[str]]]:
             line = text.split(" #", 1)[0].strip().removeprefix("$ ")
             if line.startswith("celery "):
                 yield block, shlex.split(line)
+
+
+def test_worker_options_table_names_the_setting_each_overrides() -> None:
+    page = (DOCS / "settings.md").read_text()
+    rows = [row for row in page.splitlines() if row.startswith("| `--lock-")]
+    table: dict[str, str] = {}
+    for row in rows:
+        cells = [cell.strip().strip("`") for cell in row.strip("|").split("|")]
+        table[cells[0].split()[0]] = cells[1]
+    assert table == {
+        "--" + option.replace("_", "-"): setting for option, setting in WORKER_OPTIONS.items()
+    }
 
 
 def test_worker_command_lines_use_real_options(worker_help: str) -> None:
