@@ -14,7 +14,8 @@ logs and events show it, or its ``:fence`` or ``:done:<task>`` key) or as
 ``<scope>:<request key>``; a key under another prefix than the one configured is a usage error
 that names the ``--prefix`` to pass, and so is a name under the configured prefix that is none
 of a request's keys (the hash tag alone, say). ``forget`` given a done-marker key forgets that
-marker only. Every listing uses ``SCAN``, never ``KEYS``. A failing lock store is reported as an
+marker only. Every listing uses ``SCAN``, never ``KEYS``; a long scan reports its progress on
+stderr when stderr is a terminal (``--progress-every``). A failing lock store is reported as an
 error (exit status 1), never a traceback.
 """
 
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,6 +43,8 @@ from .store import reach
 __all__ = ["LeaseInfo", "lock"]
 
 SCAN_BATCH = 500
+#: How many keys a scan walks between two progress lines: 1 to 2 seconds' worth (docs/cli.md).
+PROGRESS_EVERY = 1_000_000
 #: A key of a request as the library lays it out: ``<prefix>:{<scope>:<request key>}:lock``,
 #: ``...:fence`` or ``...:done:<task>``. Neither the prefix, the scope nor the request key holds
 #: a brace (the prefix is checked, the others digested), so the first ``{`` opens the tag and
@@ -91,9 +95,21 @@ def _not_a_string(key_type: Any) -> str:
 class LockAdmin:
     """Reads and repairs the keys of one lock store."""
 
-    def __init__(self, client: redis.Redis, prefix: str) -> None:
+    def __init__(
+        self, client: redis.Redis, prefix: str, progress: Callable[[str], None] | None = None,
+        progress_every: int = PROGRESS_EVERY,
+    ) -> None:  # fmt: skip
+        """
+        Args:
+            client: the lock store.
+            prefix: the key prefix of its keys.
+            progress: where to write a long scan's progress lines (``None``: nowhere).
+            progress_every: how many keys a scan walks between two progress lines.
+        """
         self.client = client
         self.prefix = prefix
+        self.progress = progress
+        self.progress_every = progress_every
 
     def parse(self, name: str) -> tuple[str, str | None]:
         """The lock key ``name`` names, and the done-marker key if ``name`` is one.
@@ -149,11 +165,19 @@ class LockAdmin:
         """The keys matching ``pattern``, each once: SCAN may return a key more than once (when
         the keyspace shrinks between two steps, say)."""
         seen: set[str] = set()
-        for key in self.client.scan_iter(match=pattern, count=SCAN_BATCH):
-            text = _text(key)
-            if text not in seen:
-                seen.add(text)
-                yield text
+        progress = _ScanProgress(self.client, self.progress, self.progress_every)
+        cursor = 0
+        while True:
+            cursor, keys = self.client.scan(cursor, match=pattern, count=SCAN_BATCH)
+            for key in keys:
+                text = _text(key)
+                if text not in seen:
+                    seen.add(text)
+                    yield text
+            if not cursor:
+                progress.done(len(seen))
+                return
+            progress.step(len(seen))
 
     def done_keys(self, tag: str) -> list[str]:
         """The done-marker keys of the request ``tag`` names, of every task of its scope."""
@@ -289,6 +313,48 @@ class LockAdmin:
         return None, [key for key, gone in zip(keys, pipe.execute(), strict=True) if gone]
 
 
+class _ScanProgress:
+    """Reports a long SCAN as it goes: a line every ``every`` keys walked, and a summary at the
+    end if it reported any. Each SCAN step walks about ``SCAN_BATCH`` keys of the database
+    (whether they match or not), so the keys walked are counted as steps times that: the
+    server does not say how many it walked."""
+
+    def __init__(
+        self, client: redis.Redis, write: Callable[[str], None] | None, every: int
+    ) -> None:
+        self.client = client
+        self.write = write if every > 0 else None
+        self.every = every
+        self.steps = 0
+        self.started = time.monotonic()
+        self.reported = False
+        self.total: int | None = None
+
+    def step(self, found: int) -> None:
+        """One SCAN step done, ``found`` matching keys so far."""
+        self.steps += 1
+        walked = self.steps * SCAN_BATCH
+        if self.write is None or walked // self.every == (walked - SCAN_BATCH) // self.every:
+            return
+        if not self.reported:
+            self.reported = True
+            try:
+                self.total = int(self.client.dbsize())
+            except redis.ResponseError:  # an ACL without DBSIZE: progress without a total
+                self.total = None
+        of = "" if self.total is None else f" of {self.total}"
+        about = walked if self.total is None else min(walked, self.total)
+        self.write(f"scanned about {about}{of} keys, {found} matching so far")
+
+    def done(self, found: int) -> None:
+        """The scan is over, with ``found`` matching keys: sum it up if it reported."""
+        if self.write is None or not self.reported:
+            return
+        keys = f"about {(self.steps + 1) * SCAN_BATCH}" if self.total is None else self.total
+        elapsed = time.monotonic() - self.started
+        self.write(f"scanned {keys} keys in {elapsed:.1f}s, {found} matching")
+
+
 # Deletes the lease at KEYS[1] only if the key holds what it held when the user was asked:
 # ARGV[1], or (given "") any value that is not a string. A lease that lapsed in the meantime
 # and was granted again belongs to another holder, whom the user was not asked about.
@@ -329,6 +395,7 @@ class _Options:
     url: str | None
     prefix: str | None
     json: bool
+    progress_every: int
 
 
 def _setting(field: str, value: Any, name: str, option: str | None) -> Any:
@@ -385,7 +452,15 @@ def _admin(ctx: click.Context) -> LockAdmin:
         raise click.ClickException(f"the lock store refused the connection: {exc}") from exc
     except (redis.RedisError, ValueError) as exc:
         raise click.ClickException(f"cannot reach the lock store: {exc}") from exc
-    return LockAdmin(client, prefix)
+    # Progress is for an operator watching a terminal: a script or a cron job that reads
+    # stderr gets only errors there.
+    terminal = sys.stderr.isatty()
+    progress = _on_stderr if terminal else None
+    return LockAdmin(client, prefix, progress, options.progress_every)
+
+
+def _on_stderr(line: str) -> None:
+    click.echo(line, err=True)
 
 
 class _LockGroup(click.Group):
@@ -410,10 +485,18 @@ def _emit(ctx: click.Context, data: Any, text: str) -> None:
 @click.option("--url", help="Lock store URL (default: the app's celery_lock_redis_url).")
 @click.option("--prefix", help="Key prefix (default: the app's celery_lock_key_prefix).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
+@click.option(
+    "--progress-every", type=click.IntRange(min=0), default=PROGRESS_EVERY, show_default=True,
+    metavar="KEYS",
+    help="While a command scans the lock store, report on stderr every KEYS keys walked, "
+    "if stderr is a terminal (0: never).",
+)  # fmt: skip
 @click.pass_context
-def lock(ctx: click.Context, url: str | None, prefix: str | None, as_json: bool) -> None:
+def lock(
+    ctx: click.Context, url: str | None, prefix: str | None, as_json: bool, progress_every: int
+) -> None:
     """Inspect and repair celery-lock leases and done-markers."""
-    ctx.obj = _Options(url=url, prefix=prefix, json=as_json)
+    ctx.obj = _Options(url=url, prefix=prefix, json=as_json, progress_every=progress_every)
 
 
 def _format_leases(leases: list[LeaseInfo]) -> str:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -721,3 +724,88 @@ def test_forget_keeps_the_fence_counter_as_long_as_the_done_marker(
     again = store.acquire(keys, new_token(), settings.ttl_ms, next_holder, settings.fence_ttl_ms)
     assert isinstance(again, Acquired)
     assert again.fence > 1
+
+
+def on_a_terminal(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    """Run ``celery lock *args`` with its stderr on a pseudo-terminal, as an operator's shell
+    would; return its exit status, its stdout, and what it wrote on the terminal."""
+    leader, follower = pty.openpty()
+    with tempfile.TemporaryFile() as stdout:
+        with subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.apps.storm_app", "lock", *args],
+            env={**os.environ, **env}, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=stdout,
+            stderr=follower,
+        ) as command:  # fmt: skip
+            os.close(follower)
+            terminal = b""
+            try:
+                while True:
+                    ready, _, _ = select.select([leader], [], [], 60)
+                    assert ready, terminal  # bounded: the command wrote or exited by now
+                    try:
+                        chunk = os.read(leader, 4096)
+                    except OSError:  # EIO: the command exited, and the terminal closed
+                        break
+                    if not chunk:
+                        break
+                    terminal += chunk
+                status = command.wait(timeout=60)
+            finally:
+                os.close(leader)
+                if command.poll() is None:
+                    command.kill()
+        stdout.seek(0)
+        return status, stdout.read().decode(), terminal.decode().replace("\r\n", "\n")
+
+
+def fill(store: LockStore, leases: int, other_keys: int) -> None:
+    """``leases`` leases held (requests 0 to leases - 1) among ``other_keys`` other keys."""
+    for request in range(leases):
+        take(store, request, f"t{request}")
+    pipe = store.client.pipeline(transaction=False)
+    for n in range(other_keys):
+        pipe.set(f"other:{n}", "x")
+    pipe.execute()
+
+
+@pytest.mark.parametrize(
+    "command", [["--json", "ls"], ["ls"], ["show", "storm.process:1"],
+                ["forget", "storm.process:1"]], ids=["ls-json", "ls", "show", "forget"],
+)  # fmt: skip
+def test_a_long_scan_reports_its_progress_and_a_summary_on_the_terminal_only(
+    worker_env: dict[str, str], store: LockStore, command: list[str]
+) -> None:
+    # A store of millions of keys takes seconds to scan: the operator sees it move, on stderr,
+    # every --progress-every keys walked (here 500 of 3,024), and stdout stays the result.
+    fill(store, leases=12, other_keys=3_000)
+    keys = store.client.dbsize()  # 3,024: each lease's lock and fence, and the others
+    status, out, terminal = on_a_terminal(worker_env, "--progress-every", "500", *command)
+    assert status == 0, terminal
+    lines = terminal.splitlines()
+    assert len(lines) >= 3, terminal
+    assert lines[0].startswith(f"scanned about 500 of {keys} keys, "), terminal
+    assert lines[-1].startswith(f"scanned {keys} keys in "), terminal
+    matching = 12 if "ls" in command else 0
+    assert lines[-1].endswith(f"s, {matching} matching"), terminal
+    if command == ["--json", "ls"]:
+        assert len(json.loads(out)) == 12
+    elif command == ["ls"]:
+        assert out.splitlines()[-1] == "12 lease(s) held"
+        assert "scanned" not in out
+    else:
+        assert "scanned" not in out
+    # Not on a terminal (a script, a cron job), or with --progress-every 0: nothing on stderr.
+    quiet = celery_lock_cli(worker_env, "--progress-every", "500", *command)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == ""
+    status, _, terminal = on_a_terminal(worker_env, "--progress-every", "0", *command)
+    assert (status, terminal) == (0, "")
+
+
+def test_a_short_scan_prints_no_progress_on_the_terminal(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    fill(store, leases=3, other_keys=100)
+    status, out, terminal = on_a_terminal(worker_env, "ls")  # the default: 1,000,000 keys
+    assert (status, terminal) == (0, "")
+    assert out.splitlines()[-1] == "3 lease(s) held"
