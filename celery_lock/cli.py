@@ -482,7 +482,9 @@ def _emit(ctx: click.Context, data: Any, text: str) -> None:
 
 
 @click.group(name="lock", cls=_LockGroup)
-@click.option("--url", help="Lock store URL (default: the app's celery_lock_redis_url).")
+@click.option(
+    "--url", metavar="URL", help="Lock store URL (default: the app's celery_lock_redis_url)."
+)
 @click.option("--prefix", help="Key prefix (default: the app's celery_lock_key_prefix).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, for scripts.")
 @click.option(
@@ -527,7 +529,9 @@ def ls_command(ctx: click.Context) -> None:
 @click.argument("key")
 @click.pass_context
 def show_command(ctx: click.Context, key: str) -> None:
-    """Show one request's lease, fence counter and done-markers."""
+    """Show one request's lease, fence counter and done-markers.
+
+    KEY names the request: one of its keys, as ls lists them, or <scope>:<request key>."""
     info = _admin(ctx).show(key)
     lease = info["lease"]
     lines = [f"key       {info['key']}"]
@@ -549,7 +553,9 @@ def show_command(ctx: click.Context, key: str) -> None:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
 def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> None:
-    """Delete a lease whoever holds it (its holder, if alive, finds it lost)."""
+    """Delete a lease whoever holds it (its holder, if alive, finds it lost).
+
+    KEY names the request: one of its keys, as ls lists them, or <scope>:<request key>."""
     if not force:
         raise click.UsageError("release deletes a lease its holder may still need: add --force")
     admin = _admin(ctx)
@@ -591,8 +597,9 @@ def _held(lease: LeaseInfo) -> str:
 def forget_command(ctx: click.Context, key: str, task: str | None) -> None:
     """Drop a request's done-marker(s), so the request may run again.
 
-    Given a done-marker key, only that task's marker (as with --task): the request's other
-    stages stay done."""
+    KEY names the request: one of its keys, as ls lists them, or <scope>:<request key>. Given
+    a done-marker key, only that task's marker (as with --task): the request's other stages
+    stay done."""
     admin = _admin(ctx)
     one, deleted = admin.forget(key, task)
     nothing = f"no done-marker at {one}" if one else f"no done-marker of {admin.lock_key(key)}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -809,3 +810,21 @@ def test_a_short_scan_prints_no_progress_on_the_terminal(
     status, out, terminal = on_a_terminal(worker_env, "ls")  # the default: 1,000,000 keys
     assert (status, terminal) == (0, "")
     assert out.splitlines()[-1] == "3 lease(s) held"
+
+
+def test_the_help_names_the_options_and_the_key_as_docs_cli_md_does(
+    worker_env: dict[str, str],
+) -> None:
+    table = (ROOT / "docs" / "cli.md").read_text().split("| option ", 1)[1].split("\n\n", 1)[0]
+    documented = re.findall(r"^\| `(--[^`]+)`", table, flags=re.MULTILINE)
+    assert "--json" in documented
+    shown = celery_lock_cli(worker_env, "--help")
+    assert shown.returncode == 0, shown.stderr
+    for option in documented:
+        assert re.search(rf"^\s+{re.escape(option)}\s", shown.stdout, re.MULTILINE), option
+    # The two forms of "Naming a request".
+    for command in ("show", "forget", "release"):
+        shown = celery_lock_cli(worker_env, command, "--help")
+        assert "one of its keys, as ls lists them, or <scope>:<request key>" in " ".join(
+            shown.stdout.split()
+        ), command
