@@ -12,6 +12,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from celery import Celery
 from celery.contrib.testing.worker import TestWorkController, start_worker
 from celery.result import AsyncResult
 from celery.worker import state as worker_state
+from kombu.asynchronous import set_event_loop
 
 from celery_lock import SKIPPED
 from celery_lock.lease import Acquired, Holder, Lease, new_token
@@ -146,6 +148,25 @@ def celery_worker(
         worker_state.should_terminate = 0
         for _ in range(2):
             celery_app.send_task("celery.ping")
+
+
+@contextmanager
+def start_in_process_worker(app: Celery, **options: Any) -> Iterator[TestWorkController]:
+    """``start_worker(app, **options)`` on an event loop of its own, for a broker whose
+    transport a worker polls through kombu's event loop (RabbitMQ, Redis; not ``memory://``).
+
+    Before kombu 5.6.1, closing a worker's event loop left it kombu's current one, and the next
+    worker in the process took it over, with the first worker's timer: the countdowns (and so
+    the deferred copies) it received waited for a timer nothing fired (celery/celery#9983,
+    fixed by celery/kombu#2404). Dropping the current loop before and after keeps each worker
+    on its own.
+    """
+    set_event_loop(None)
+    try:
+        with start_worker(app, **options) as worker:
+            yield worker
+    finally:
+        set_event_loop(None)
 
 
 def close_producer(app: Celery) -> None:

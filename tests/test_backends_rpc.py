@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery import __version__ as celery_version
-from celery.contrib.testing.worker import TestWorkController, start_worker
+from celery.contrib.testing.worker import TestWorkController
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from conftest import hold, wait_for
+from conftest import hold, start_in_process_worker, wait_for
 
 from celery_lock import SKIPPED, ConfigurationError, LockedTask, follow, is_skipped
 from celery_lock.store import LockStore
@@ -26,7 +25,6 @@ TIMEOUT = 20
 SHORT = 0.5
 pytestmark = [pytest.mark.amqp, pytest.mark.usefixtures("close_lock_runtime")]
 QUEUE = f"celery-lock-rpc-{uuid.uuid4().hex[:8]}"
-CELERY_VERSION = tuple(int(part) for part in celery_version.split(".")[:2])
 
 
 @pytest.fixture
@@ -59,7 +57,7 @@ def tasks(celery_app: Celery) -> dict[str, Any]:
 @pytest.fixture
 def worker(celery_app: Celery, tasks: dict[str, Any]) -> Iterator[TestWorkController]:
     try:
-        with start_worker(celery_app, pool="solo", perform_ping_check=False) as worker:
+        with start_in_process_worker(celery_app, pool="solo", perform_ping_check=False) as worker:
             yield worker
     finally:
         consumer = celery_app.backend.result_consumer
@@ -112,11 +110,6 @@ def test_a_copy_skipped_as_success_is_returned_as_its_marker(
     assert copy.successful()
 
 
-@pytest.mark.skipif(
-    CELERY_VERSION < (5, 7),
-    reason="known to pass on Celery 5.7; on 5.3.0 it waits in vain for RETRY whenever another "
-    "rpc:// test ran before it in the process (alone it passes): not diagnosed",
-)
 def test_a_deferred_copy_reads_retry_until_it_runs(
     worker: Any, tasks: dict[str, Any], store: LockStore
 ) -> None:

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import TestWorkController, start_worker
+from celery.contrib.testing.worker import TestWorkController
 from celery.signals import before_task_publish
-from conftest import hold, wait_for
+from conftest import hold, start_in_process_worker, wait_for
 from kombu import Exchange, Queue
 
 from celery_lock import LockedTask
@@ -102,7 +102,9 @@ def work_worker(celery_app: Celery, stage: Any, redo: Any) -> Iterator[TestWorkC
         for queue in celery_app.conf.task_queues:
             queue(connection.default_channel).declare()
     try:
-        with start_worker(celery_app, pool="solo", queues=[WORK_QUEUE], perform_ping_check=False):
+        with start_in_process_worker(
+            celery_app, pool="solo", queues=[WORK_QUEUE], perform_ping_check=False
+        ):
             yield
     finally:
         with celery_app.connection_for_write() as connection:
