@@ -315,16 +315,23 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def apply_async(self, args: Any = None, kwargs: Any = None, *a: Any, **options: Any) -> Any:
         """Publish, after checking that the call's arguments yield a request key.
 
+        The later steps the call carries (``chain``, ``link``, ``link_error``, ``chord``) are
+        checked too, when ``send_task`` publishes it, for a call of any task
+        (:mod:`celery_lock.canvas`): those of a ``LockedTask`` whose arguments are fixed (an
+        immutable signature, ``.si()``), not those that take their parent's result (``.s()``).
+
         Raises:
-            LockKeyError: the call lacks an argument the key is made of; nothing is published.
-                Except for the next step of a canvas, which a worker sends (with a
-                ``parent_id``) once its parent has succeeded: raised there, the error would
-                fail the parent, so the step is published and fails on the worker, unrun. (A
-                caller that passes ``parent_id`` itself is taken for such a step.)
+            LockKeyError: the call, or a later step it carries whose arguments are fixed, lacks
+                an argument its key is made of; nothing is published. Except for the next step
+                of a canvas, which a worker sends (with a ``parent_id``) once its parent has
+                succeeded: raised there, the error would fail the parent, so the step is
+                published and fails on the worker, unrun. (A caller that passes ``parent_id``
+                itself is taken for such a step.) The later steps of a call published from a
+                running task are left to the worker too.
         """
         if self._lock_deriver is not None:
             try:
-                self._key_deriver().request_key(*self._as_sent(tuple(args or ()), kwargs or {}))
+                self._request_key(tuple(args or ()), kwargs or {})
             except LockKeyError as exc:
                 if not options.get("parent_id"):
                     raise
@@ -344,10 +351,18 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def _request_keys(
         self, settings: LockSettings, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> RequestKeys:
-        request_key = self._key_deriver().request_key(*self._as_sent(args, kwargs))
+        request_key = self._request_key(args, kwargs)
         return RequestKeys.build(
             settings.key_prefix, self.lock_scope or self.name, request_key, self.name
         )
+
+    def _request_key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """The request key of a call with these arguments, derived as the worker derives it.
+
+        Raises:
+            LockKeyError: the arguments yield no request key.
+        """
+        return self._key_deriver().request_key(*self._as_sent(args, kwargs))
 
     def _key_deriver(self) -> KeyDeriver:
         """The class's key deriver, named as this task is registered: the default key digests

@@ -13,6 +13,7 @@ a task binds only when the app finalizes, after ``celery worker`` has read its c
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import weakref
@@ -26,6 +27,7 @@ from celery import _state as celery_state
 from celery.app import utils as celery_app_utils
 from celery.signals import worker_process_init, worker_process_shutdown
 
+from .canvas import check_later_steps
 from .checks import bodies_per_process, store_prefixes, warn_at_startup
 from .config import DUPLICATE_POLICIES, LockSettings, check_value
 from .events import wait_for_events_apart
@@ -184,7 +186,8 @@ def _worker_options() -> list[click.Option]:
 
 
 def install(app: Celery) -> Celery:
-    """Add the worker options and bootstep, and start/stop the heartbeat with pool processes.
+    """Add the worker options and bootstep, start/stop the heartbeat with pool processes, and
+    check a call's later steps when it is published (:mod:`celery_lock.canvas`).
 
     Returns the app, so it can be used inline. Calling it again does nothing.
     """
@@ -194,6 +197,7 @@ def install(app: Celery) -> Celery:
     _hide_lock_store_url_in_reports()
     app.user_options["worker"].update(_worker_options())
     app.steps["worker"].add(LockStep)
+    _check_later_steps_at_publish(app)
 
     # The receivers are the process's, but the signals do not say which app's worker sent
     # them: they hold the app weakly and leave alone an app that was closed (a test's app,
@@ -227,6 +231,28 @@ def install(app: Celery) -> Celery:
     # registered would keep out.
     weakref.finalize(app, _disconnect, uid)
     return app
+
+
+def _check_later_steps_at_publish(app: Celery) -> None:
+    """Have ``app.send_task``, which every ``apply_async`` publishes through, whatever the
+    first step's task class, check the call's later steps first (:func:`check_later_steps`).
+
+    In ``send_task`` because Celery offers no hook that can refuse a publish: an exception
+    raised by a ``before_task_publish`` receiver is logged, and the message sent all the same.
+    A call with a parent (a ``parent_id`` given, or published from a running task) is left
+    alone: its later steps are the rest of a canvas a worker passes on (the next step of a
+    chain, a chord's body, a replacement), which the caller that published the canvas checked,
+    and an error raised there would fail the step that has run, not the one that cannot.
+    """
+    send_task = app.send_task
+
+    @functools.wraps(send_task)
+    def send_task_checked(name: str, *args: Any, **options: Any) -> Any:
+        if not options.get("parent_id") and app.current_worker_task is None:
+            check_later_steps(app, options)
+        return send_task(name, *args, **options)
+
+    app.send_task = send_task_checked  # type: ignore[method-assign]
 
 
 def _disconnect(uid: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, chain, current_task
+from celery import Celery, chain, chord, current_task, group
 from celery.app.task import Context
 from celery.contrib.testing.worker import TestWorkController
 from celery.exceptions import Retry, SoftTimeLimitExceeded
@@ -198,8 +198,16 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
         seen(self)
         return "hooked"
 
+    @celery_app.task(name="t.sender")
+    def sender() -> str:
+        # Publishes, from a running task, a call whose callback lacks its key.
+        step = process.si(None)
+        step.freeze()
+        nothing.apply_async(link=step)
+        return str(step.id)
+
     every = [process, pending, stage, flaky, resend, boom, slow, walk, hop, relay, quiet]
-    every += [tags, nothing, hooked]
+    every += [tags, nothing, hooked, sender]
     return {t.name.split(".", 1)[1]: t for t in every}
 
 
@@ -805,6 +813,86 @@ def test_a_chain_step_without_a_key_fails_alone_not_its_parent(
         result.get(timeout=TIMEOUT)
     assert result.parent.get(timeout=TIMEOUT) is None
     assert result.parent.state == "SUCCESS"
+    assert calls.seen == []
+
+
+@pytest.fixture
+def published() -> Iterator[list[str]]:
+    """The names of the tasks sent while the test runs, as Celery is about to publish them."""
+    names: list[str] = []
+
+    def on_publish(headers: dict[str, Any], **_: Any) -> None:
+        names.append(headers["task"])
+
+    before_task_publish.connect(on_publish, weak=False)
+    yield names
+    before_task_publish.disconnect(on_publish)
+
+
+LATER_STEPS_WITHOUT_A_KEY: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "chain-after-a-plain-task": lambda t: chain(t["nothing"].si(), t["process"].si()).apply_async(),
+    "chain-after-a-locked-task": lambda t: chain(t["stage"].si(7), t["process"].si()).delay(),
+    "third-step": lambda t: (t["nothing"].si() | t["stage"].si(7) | t["process"].si(other=2))(),
+    "link": lambda t: t["nothing"].apply_async(link=t["process"].si()),
+    "link-error": lambda t: t["nothing"].apply_async(link_error=t["process"].si()),
+    "immutable-signature": lambda t: t["nothing"].apply_async(
+        link=t["process"].signature((), {"other": 2}, immutable=True)
+    ),
+    "link-of-a-chain-step": lambda t: chain(
+        t["nothing"].si(), t["stage"].si(7).set(link=t["process"].si())
+    )(),
+    "group-in-a-chain": lambda t: chain(
+        t["nothing"].si(), group(t["process"].si(7), t["process"].si())
+    )(),
+    "chord-body": lambda t: chord([t["nothing"].si()], t["process"].si())(),
+}
+
+
+@pytest.mark.parametrize(
+    "publish", LATER_STEPS_WITHOUT_A_KEY.values(), ids=list(LATER_STEPS_WITHOUT_A_KEY)
+)
+def test_a_later_step_with_fixed_arguments_but_no_key_is_refused_at_publish(
+    tasks: dict[str, Any], published: list[str], publish: Callable[[dict[str, Any]], Any]
+) -> None:
+    # Its arguments are known at publish: refused there, not after the first step's work is done.
+    with pytest.raises(LockKeyError, match=r"^t\.process: .*request_idx"):
+        publish(tasks)
+    assert published == []
+
+
+def test_a_later_step_given_its_key_is_published_and_runs(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    result = chain(tasks["nothing"].si(), tasks["process"].si(request_idx=7)).apply_async()
+    assert result.get(timeout=TIMEOUT) == "processed 7"
+    assert calls.count("t.process") == 1
+
+
+def test_a_later_step_of_a_call_with_a_parent_is_left_to_the_worker(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    # A parent_id marks a call a worker sends after its parent succeeded (here passed by the
+    # caller), whose later steps its first publisher checked: refused there, the error would
+    # fail the step that has run. The later step fails alone, unrun.
+    step = tasks["process"].si(None)
+    step_result = step.freeze()
+    result = tasks["nothing"].apply_async(link=step, parent_id="parent")
+    with pytest.raises(LockKeyError, match="None alone"):
+        step_result.get(timeout=TIMEOUT)
+    assert result.get(timeout=TIMEOUT) is None
+    assert result.state == "SUCCESS"
+    assert calls.seen == []
+
+
+def test_a_later_step_of_a_call_from_a_running_task_is_left_to_the_worker(
+    celery_app: Celery, worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    # Celery gives a call published from a running task that task for its parent: that is how
+    # a worker passes the rest of a canvas on (a chord's body, a replacement), whose steps the
+    # canvas's publisher checked. The sender is not failed; the step fails alone, unrun.
+    step_id = tasks["sender"].delay().get(timeout=TIMEOUT)
+    with pytest.raises(LockKeyError, match="None alone"):
+        celery_app.AsyncResult(step_id).get(timeout=TIMEOUT)
     assert calls.seen == []
 
 
