@@ -5,6 +5,9 @@ while it works. (More of its beats are in test_round_trips, test_task and the fa
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -389,3 +392,74 @@ def test_an_unexpected_error_in_a_beat_is_logged_and_the_next_beat_extends(
     assert not lease.lost
     assert "heartbeat failed; trying again next interval" in caplog.text
     assert "a bug in a beat" in caplog.text
+
+
+#: Run under ``eventlet.monkey_patch()``, as ``celery worker -P eventlet`` runs before it imports
+#: the app: a 1 s lease, beaten every 0.2 s while the main greenlet sleeps three TTLs. Prints
+#: what the heartbeat saw of itself, as JSON.
+_UNDER_EVENTLET = """
+import eventlet
+
+eventlet.monkey_patch()
+
+import json, sys, threading, time
+
+from celery_lock.heartbeat import Heartbeat
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Holder, Lease, new_token
+from celery_lock.store import LockStore
+
+store = LockStore.from_url(sys.argv[1])
+keys = RequestKeys.build("celery-lock", "shop.process", "green", "shop.process")
+token = new_token()
+holder = Holder("task-1", "shop.process", "host-a", 101)
+fence = store.acquire(keys, token, 1_000, holder, 1_000).fence
+lease = Lease(store, keys, token, 1_000, fence, holder)
+heartbeat = Heartbeat()
+beats, extends = [], []
+beat, extend_all = heartbeat.beat, store.extend_all
+
+
+def beat_and_look():
+    beats.append(threading.current_thread() is heartbeat._thread)
+    beat()
+
+
+def extend_and_look(leases):
+    extends.append(threading.current_thread().name)
+    return extend_all(leases)
+
+
+heartbeat.beat, store.extend_all = beat_and_look, extend_and_look
+heartbeat.add(lease, 0.2)
+time.sleep(3.0)
+thread = heartbeat._thread
+seen = {
+    "beats_on_its_own_thread": beats,
+    "extends_on": sorted(set(extends)),
+    "lost": lease.lost,
+    "owned": store.client.get(keys.lock).decode().startswith(token),
+}
+heartbeat.stop()
+seen["stopped"] = not heartbeat.running and not thread.is_alive()
+print(json.dumps(seen))
+"""
+
+
+def test_under_eventlet_the_heartbeat_is_a_green_thread_that_knows_itself(lock_url: str) -> None:
+    # Under -P eventlet threading is eventlet's. The heartbeat tells its own thread from its
+    # callers' by threading.current_thread(): a beat on it extends on a thread apart (see
+    # Heartbeat.beat), and the thread clears the running flag as it ends. Both must hold for a
+    # green thread too, and the lease must outlive its TTL while the main greenlet sleeps.
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _UNDER_EVENTLET, lock_url],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["beats_on_its_own_thread"]
+    assert all(seen["beats_on_its_own_thread"]), seen
+    assert seen["extends_on"] == ["celery-lock-heartbeat-extend"], seen
+    assert not seen["lost"]
+    assert seen["owned"]
+    assert seen["stopped"]

@@ -1,4 +1,4 @@
-"""The heartbeat under the worker pools other than prefork: solo, threads and gevent.
+"""The heartbeat under the worker pools other than prefork: solo, threads, gevent and eventlet.
 
 Real ``celery worker -P <pool>`` subprocesses run ``tests/apps/storm_app.py`` on the session's
 redis-server. A lease that lapsed while its body ran cannot be released as a success: the
@@ -9,14 +9,18 @@ lease was held, extended by the heartbeat, from the grant to the release.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, states
+from conftest import settle, wait_for
 
+from celery_lock import SKIPPED
 from celery_lock.keys import RequestKeys
+from celery_lock.lease import decode_lock
 from celery_lock.testing import CeleryWorker
 
 pytestmark = pytest.mark.worker
@@ -40,6 +44,15 @@ def run_once(
     return worker, result.id
 
 
+def recorded_runs(env: dict[str, str]) -> int:
+    """How many bodies ran to their end (storm_app records each run)."""
+    client = redis.Redis.from_url(env["STORM_RECORD_URL"])
+    try:
+        return client.llen("storm:runs")
+    finally:
+        client.close()
+
+
 def done_by(lock_redis: redis.Redis, task: str) -> Any:
     return lock_redis.get(RequestKeys.build("celery-lock", task, "1", task).done)
 
@@ -56,21 +69,44 @@ def test_a_body_that_never_sleeps_keeps_its_lease(
     # starts the heartbeat thread, which the GIL lets run beside a body that computes.
     worker, task_id = run_once(spawn_worker, worker_env, make_producer, pool, "storm.busy")
     assert done_by(lock_redis, "storm.busy") == task_id.encode()
-    assert "under gevent" not in worker.log()
+    assert "the heartbeat is a greenlet" not in worker.log()
 
 
-def test_under_gevent_a_body_that_yields_keeps_its_lease_and_the_worker_warns(
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_under_a_green_pool_a_body_that_yields_keeps_its_lease_and_the_worker_warns(
+    pool: str,
     spawn_worker: Callable[..., CeleryWorker],
     worker_env: dict[str, str],
     make_producer: Callable[..., Celery],
     lock_redis: redis.Redis,
 ) -> None:
-    # The heartbeat is a greenlet there: it runs while the body sleeps (yields to the hub), and
-    # the worker says at start what a body that never yields would do to it.
-    worker, task_id = run_once(spawn_worker, worker_env, make_producer, "gevent", "storm.long")
-    assert done_by(lock_redis, "storm.long") == task_id.encode()
+    # The heartbeat is a greenlet there (`celery worker -P gevent|eventlet` patches threading
+    # before it imports the app): it runs while the body sleeps (yields to the hub), and the
+    # worker says at start what a body that never yields would do to it.
+    worker = spawn_worker(APP, worker_env, pool=pool, concurrency=2)
+    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
+    first = app.send_task("storm.long", args=(1,), kwargs={"seconds": 6.0})  # three lease TTLs
+    lock = RequestKeys.build("celery-lock", "storm.long", "1", "storm.long").lock
+    held = wait_for("the first copy's lease", lambda: lock_redis.get(lock), TIMEOUT)
+    assert decode_lock(held).holder.task_id == first.id
+    # Copies sent all along the body's run reach the process's other greenlet while the first
+    # sleeps: each is skipped, as running while the lease is held, as done once it is released.
+    copies = []
+    deadline = time.monotonic() + TIMEOUT
+    while first.state not in states.READY_STATES:
+        assert time.monotonic() < deadline, f"first copy still {first.state} after {TIMEOUT} s"
+        copies.append(app.send_task("storm.long", args=(1,)))
+        time.sleep(1.0)
+    assert first.get(timeout=TIMEOUT) == 1
+    assert set(settle(copies, TIMEOUT)) == {SKIPPED}
+    assert {copy.info["holder"] for copy in copies} == {first.id}
+    assert "running" in {copy.info["reason"] for copy in copies}  # the one sent at the grant
+    assert recorded_runs(worker_env) == 1
+    # Released as a success: the lock is gone and the done-marker names the run.
+    assert lock_redis.get(lock) is None
+    assert done_by(lock_redis, "storm.long") == first.id.encode()
     assert re.search(
-        r"WARNING.*celery-lock: under gevent the heartbeat is a greenlet, not a thread: a body "
+        rf"WARNING.*celery-lock: under {pool} the heartbeat is a greenlet, not a thread: a body "
         r"that holds the hub .* for a whole lease TTL loses its lease unnoticed",
         worker.log(),
     ), worker.log()
