@@ -13,6 +13,11 @@
   an evicted lease lets a second copy in while the first still runs;
 * a lock store that is a replica (a reader endpoint): it refuses every grant (``READONLY``),
   and tasks are deferred until it is promoted;
+* a lock store that is a node of a Redis Cluster of several masters is refused, not warned
+  about (:class:`~celery_lock.exceptions.ConfigurationError`): its client talks to that node
+  alone, which answers ``MOVED`` for the keys of the other masters' slots, so their tasks fail.
+  Unlike the states warned about here, which the store may leave while the worker runs
+  (promoted, reachable again, its ACL or policy changed), only another URL makes it right;
 * a lock store that cannot be reached (or refuses the user or password, or the connection):
   until it can, tasks are deferred (or fail); a warning, since it may come up later;
 * a lock store URL whose ``?max_connections=`` is below the task bodies a process runs at once
@@ -32,7 +37,8 @@
 
 Each check reads settings, plus, on each lock store, one ``CONFIG GET`` (where the server
 refuses it, as managed services often do, ``INFO memory`` instead; the eviction check is skipped
-where both are refused), one ``INFO replication`` and one ``EXISTS`` per key prefix.
+where both are refused), one ``CLUSTER INFO`` (the cluster check is skipped where it is
+refused), one ``INFO replication`` and one ``EXISTS`` per key prefix.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from .store import REFUSED_ERRORS, TRANSIENT_ERRORS, LockStore, address_of, reac
 __all__ = [
     "beat_warnings",
     "bodies_per_process",
+    "check_single_endpoint",
     "connection_warnings",
     "delivery_warnings",
     "green_heartbeat_warnings",
@@ -254,7 +261,12 @@ def unknown_settings(conf: Mapping[str, Any]) -> list[str]:
 
 def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
     """Whether the lock store cannot be reached, may evict leases, is a replica, or shuts its
-    user out of the keys under one of ``prefixes``; empty if it cannot tell."""
+    user out of the keys under one of ``prefixes``; empty if it cannot tell.
+
+    Raises:
+        ConfigurationError: the store is a node of a Redis Cluster of several masters (see
+            :func:`check_single_endpoint`).
+    """
     address = address_of(store.client)
     try:
         config: dict[Any, Any] = store.client.config_get("maxmemory*")
@@ -281,6 +293,7 @@ def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
             ]
         config = _memory_settings_from_info(store.client)
     # Asked once the store answered: an unreachable one would cost a connect timeout more.
+    check_single_endpoint(store.client)
     found = _replica_warnings(store) + _key_permission_warnings(store, prefixes)
     policy = str(config.get("maxmemory-policy", "noeviction"))
     if int(config.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
@@ -289,6 +302,51 @@ def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
             "a second copy run; use maxmemory-policy noeviction"
         )
     return found
+
+
+def check_single_endpoint(client: redis.Redis, setting: str = "celery_lock_redis_url") -> None:
+    """Refuse a lock store that is a node of a Redis Cluster of more than one master.
+
+    The lock store client is a plain ``redis.Redis``: it talks to the node its URL names alone,
+    and a node answers ``MOVED`` for every key of a slot another master serves. The tasks whose
+    requests hash to such a slot would fail unrun while the others ran, and ``celery lock ls``
+    would list that node's leases alone. A cluster of one master serves every slot, as a plain
+    server does. One ``CLUSTER INFO``; nothing is checked where it is refused (a server not in
+    cluster mode, an ACL that denies ``CLUSTER``) or fails.
+
+    Args:
+        client: the lock store's client.
+        setting: the setting or option the URL came from, as the error names it.
+
+    Raises:
+        ConfigurationError: naming ``setting``: the store is such a node.
+    """
+    masters = _cluster_masters(client)
+    if masters is None or masters <= 1:
+        return
+    raise ConfigurationError(
+        setting,
+        f"lock store {address_of(client)} is a node of a Redis Cluster of {masters} masters, "
+        "and celery-lock's client talks to that node alone: it refuses (MOVED) the keys of the "
+        "slots the other masters serve, and their tasks would fail. Use a single endpoint (a "
+        "plain Redis server, or a cluster of one master)",
+    )
+
+
+def _cluster_masters(client: redis.Redis) -> int | None:
+    """How many masters serve slots in the cluster of the store's node (``cluster_size``);
+    ``None`` where ``CLUSTER INFO`` is refused or fails."""
+    try:
+        info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+    except redis.RedisError as exc:  # not in cluster mode, denied by an ACL, or gone
+        logger.debug("celery-lock: no cluster check of the lock store: %s", exc)
+        return None
+    text = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name == "cluster_size" and value.strip().isdigit():
+            return int(value)
+    return None
 
 
 def _replica_warnings(store: LockStore) -> list[str]:
@@ -418,6 +476,10 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore], bodies: int = 1) 
 
     Returns:
         The warnings, as logged.
+
+    Raises:
+        ConfigurationError: a lock store is a node of a Redis Cluster of several masters (see
+            :func:`check_single_endpoint`).
     """
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 

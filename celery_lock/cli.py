@@ -16,7 +16,8 @@ that names the ``--prefix`` to pass, and so is a name under the configured prefi
 of a request's keys (the hash tag alone, say). ``forget`` given a done-marker key forgets that
 marker only. Every listing uses ``SCAN``, never ``KEYS``; a long scan reports its progress on
 stderr when stderr is a terminal (``--progress-every``). A failing lock store is reported as an
-error (exit status 1), never a traceback.
+error (exit status 1), never a traceback; so is a node of a Redis Cluster of several masters,
+which holds a share of the keys alone.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import click
 import redis
 from celery import Celery
 
+from .checks import check_single_endpoint
 from .config import LockSettings, check_value, conf_value
 from .exceptions import ConfigurationError
 from .keys import stored_key_part
@@ -452,11 +454,25 @@ def _admin(ctx: click.Context) -> LockAdmin:
         raise click.ClickException(f"the lock store refused the connection: {exc}") from exc
     except (redis.RedisError, ValueError) as exc:
         raise click.ClickException(f"cannot reach the lock store: {exc}") from exc
+    # A node of a cluster of several masters holds a share of the keys: ls would list its
+    # leases alone, and show and forget miss what the other masters hold.
+    setting = "--url" if options.url is not None else _url_setting(app)
+    try:
+        check_single_endpoint(client, setting)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from exc
     # Progress is for an operator watching a terminal: a script or a cron job that reads
     # stderr gets only errors there.
     terminal = sys.stderr.isatty()
     progress = _on_stderr if terminal else None
     return LockAdmin(client, prefix, progress, options.progress_every)
+
+
+def _url_setting(app: Celery) -> str:
+    """The name of the app's lock store URL setting, as written (the lower-case one where
+    neither is: the broker URL stands in for it)."""
+    value, name = conf_value(app.conf, "celery_lock_redis_url")
+    return name if value is not None else "celery_lock_redis_url"
 
 
 def _on_stderr(line: str) -> None:

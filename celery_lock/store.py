@@ -13,9 +13,9 @@ tenacity (bounded, jittered) before raising an error:
   ``"<token> <fence> <holder>"`` or has no TTL): trying again cannot help; the message names
   the key and what it holds;
 - :class:`~celery_lock.exceptions.LockStoreError` for any other error reply (``NOPERM``, an
-  unknown command), for a wrong user or password (``WRONGPASS``, ``NOAUTH``, which redis-py
-  raises as connection errors) and for any other error of redis-py (a connection it refuses to
-  build): not transient either.
+  unknown command, ``MOVED`` from a node of a Redis Cluster of several masters), for a wrong
+  user or password (``WRONGPASS``, ``NOAUTH``, which redis-py raises as connection errors) and
+  for any other error of redis-py (a connection it refuses to build): not transient either.
 
 Scripts run by ``EVALSHA``; a ``NOSCRIPT`` reply (the server restarted or flushed its scripts) is
 answered by loading the script and running it once more, for acquire and release as for the
@@ -39,10 +39,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
     MasterDownError,
+    MovedError,
     NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -416,6 +418,17 @@ class LockStore:
         except TRANSIENT_ERRORS as exc:
             raise LockStoreUnavailableError(f"{what} failed: {exc}", lock_name=lock_name) from exc
         except redis.ResponseError as exc:
+            redirect = _redirect(exc)
+            if redirect:
+                # A node of a Redis Cluster of several masters, where another one serves the
+                # key's slot. The worker refuses such a store at start.
+                raise LockStoreError(
+                    f"{what} refused: {redirect}: the lock store {address_of(self.client)} is a "
+                    "node of a Redis Cluster of several masters, which celery-lock cannot use; "
+                    "point celery_lock_redis_url at a single endpoint (a plain Redis server, or "
+                    "a cluster of one master)",
+                    lock_name=lock_name,
+                ) from exc
             found = self.diagnose(roles)
             if found is not None:
                 key, problem = found
@@ -591,6 +604,16 @@ class LockStore:
             else:
                 owned.append(bool(reply))
         return owned
+
+
+def _redirect(exc: redis.ResponseError) -> str:
+    """``"MOVED <slot> <host:port>"`` (or ``ASK``) for a cluster node's redirect, else ``""``.
+    redis-py 8 raises it as :class:`MovedError` and strips the code from the message, which
+    then says only ``"<slot> <host:port>"``; redis-py 5.0 raises a plain error reply that keeps
+    the code."""
+    if isinstance(exc, AskError):
+        return f"{'MOVED' if isinstance(exc, MovedError) else 'ASK'} {exc}"
+    return str(exc) if reply_code(exc) in ("MOVED", "ASK") else ""
 
 
 def _transient(exc: BaseException) -> bool:

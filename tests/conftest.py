@@ -7,6 +7,7 @@ wheel, started on a free port for this session and stopped by pid at its end.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 import time
@@ -47,6 +48,61 @@ def redis_server() -> Iterator[RedisServer]:
     """A redis-server of this test session (not the machine's service)."""
     with RedisServer() as server:
         yield server
+
+
+#: A redis-server's arguments to run as a Redis Cluster node (its config file in its own dir).
+CLUSTER_NODE = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+CLUSTER_SLOTS = 16384
+
+
+def cluster_port() -> int:
+    """A port for a cluster node that was free a moment ago, with its cluster bus port (10000
+    above: so at most 55535, which a port picked by the system may not be)."""
+    for _ in range(100):
+        port = random.randrange(20_000, 55_536)
+        try:
+            for used in (port, port + 10_000):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind(("127.0.0.1", used))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node in 100 tries")
+
+
+@pytest.fixture
+def redis_cluster() -> Iterator[Callable[[int], list[RedisServer]]]:
+    """``redis_cluster(masters)``: a Redis Cluster of ``masters`` new nodes, each a master
+    serving an equal share of the slots (``ADDSLOTS``: Redis 6.2 has no ``ADDSLOTSRANGE``),
+    once every node says ``cluster_state:ok``. Every node is stopped at the end of the test."""
+    started: list[RedisServer] = []
+
+    def make(masters: int) -> list[RedisServer]:
+        nodes = [RedisServer(cluster_port(), CLUSTER_NODE) for _ in range(masters)]
+        started.extend(nodes)
+        for node in nodes:
+            node.start()
+        bounds = [CLUSTER_SLOTS * i // masters for i in range(masters + 1)]
+        for node, first, end in zip(nodes, bounds, bounds[1:], strict=False):
+            with node.client() as admin:
+                for other in nodes:
+                    if other is not node:
+                        admin.execute_command("CLUSTER", "MEET", "127.0.0.1", other.port)
+                admin.execute_command("CLUSTER", "ADDSLOTS", *range(first, end))
+
+        def all_ok() -> bool:
+            for node in nodes:
+                with node.client() as admin:
+                    if b"cluster_state:ok" not in admin.execute_command("CLUSTER", "INFO"):
+                        return False
+            return True
+
+        wait_for(f"a cluster of {masters} masters to be ok", all_ok)
+        return nodes
+
+    yield make
+    for node in started:
+        node.stop()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +185,51 @@ def test_unreachable_store_is_a_clean_error(worker_env: dict[str, str]) -> None:
     assert done.returncode == 1
     assert "cannot reach the lock store" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "url_from"),
+    [(["ls"], "--url"), (["show", "storm.process:1"], "conf"),
+     (["forget", "storm.process:1"], "conf")],
+)  # fmt: skip
+def test_a_node_of_a_cluster_of_several_masters_is_a_clean_error(
+    worker_env: dict[str, str],
+    redis_cluster: Callable[[int], list[RedisServer]],
+    command: list[str],
+    url_from: str,
+) -> None:
+    """The CLI's client talks to the one node the URL names: ls listed that node's leases
+    alone, silently, and show and forget failed or missed what another master holds."""
+    node, *_ = redis_cluster(3)
+    if url_from == "--url":
+        done = celery_lock_cli(worker_env, "--url", node.url, *command)
+        setting = "--url"
+    else:
+        done = celery_lock_cli({**worker_env, "STORM_LOCK_URL": node.url}, *command)
+        setting = "celery_lock_redis_url"
+    assert done.returncode == 1, done.stdout
+    assert (
+        f"Error: {setting}: lock store 127.0.0.1:{node.port} is a node of a Redis Cluster of 3 "
+        "masters"
+    ) in done.stderr
+    assert "a single endpoint (a plain Redis server, or a cluster of one master)" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_ls_on_a_cluster_of_one_master_lists_every_lease(
+    worker_env: dict[str, str], redis_cluster: Callable[[int], list[RedisServer]]
+) -> None:
+    [node] = redis_cluster(1)
+    store = LockStore.from_url(node.url)
+    try:
+        for request in range(10):  # in slots all over the range
+            take(store, request, f"task-{request}")
+    finally:
+        store.close()
+    done = celery_lock_cli(worker_env, "--url", node.url, "--json", "ls")
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)) == 10
 
 
 def test_a_url_whose_path_is_no_database_number_is_a_usage_error(

@@ -6,14 +6,16 @@ from __future__ import annotations
 import inspect
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
+from redis.crc import key_slot
 
-from celery_lock import ConfigurationError, LockedTask, LockSettings, checks, config
+from celery_lock import ConfigurationError, LockedTask, LockSettings, LockStoreError, checks, config
 from celery_lock.checks import misnamed_settings, settings_warnings
 from celery_lock.config import MAX_SECONDS
 from celery_lock.keys import RequestKeys
@@ -607,6 +609,92 @@ def test_a_lock_store_that_is_a_replica_is_warned_about() -> None:
             store.client.close()
     assert warning.startswith(f"lock store 127.0.0.1:{replica.port} is a replica of ")
     assert f":{primary.port}" in warning
+
+
+def test_a_lock_store_on_a_node_of_a_cluster_of_several_masters_stops_the_worker(
+    redis_cluster: Callable[[int], list[RedisServer]],
+) -> None:
+    """The lock store client is a plain redis.Redis on one node: every key of a slot another
+    master serves is answered MOVED, and its task fails unrun. The check at worker start
+    (warn_at_startup) refuses such a URL, naming the setting, rather than warn: no state of
+    the store the worker could wait for makes it right."""
+    node, *_ = redis_cluster(3)
+    app = Celery("config_tests", broker="memory://", set_as_current=False)
+    app.conf.celery_lock_redis_url = node.url
+    store = LockStore.from_url(node.url)
+    try:
+        with pytest.raises(ConfigurationError) as refused:
+            checks.warn_at_startup(app, {node.url: store})
+    finally:
+        store.close()
+    assert refused.value.setting == "celery_lock_redis_url"
+    assert refused.value.problem.startswith(
+        f"lock store 127.0.0.1:{node.port} is a node of a Redis Cluster of 3 masters"
+    )
+    assert "a single endpoint (a plain Redis server, or a cluster of one master)" in str(
+        refused.value
+    )
+
+
+def test_a_cluster_of_one_master_is_a_lock_store_like_a_plain_server(
+    redis_cluster: Callable[[int], list[RedisServer]],
+) -> None:
+    """A cluster of one master serves every slot: every request's keys are on the node the URL
+    names, so it passes the start-up check and grants every request."""
+    [node] = redis_cluster(1)
+    store = LockStore.from_url(node.url)
+    try:
+        assert checks.store_warnings(store) == []
+        for request in range(20):  # requests in slots all over the range
+            keys = RequestKeys.build("celery-lock", "t", str(request), "t")
+            outcome = store.acquire(keys, new_token(), 5_000, Holder("a", "t", "h", 1), 60_000)
+            assert isinstance(outcome, Acquired)
+    finally:
+        store.close()
+
+
+def test_the_cluster_check_is_skipped_where_an_acl_refuses_cluster_info(
+    redis_cluster: Callable[[int], list[RedisServer]],
+) -> None:
+    """A user the store's ACL denies CLUSTER (a managed service's, or one kept to what the
+    scripts need) cannot tell: the worker starts, as for any check it cannot make."""
+    node, *_ = redis_cluster(2)
+    with node.client() as admin:
+        admin.acl_setuser("locks", enabled=True, passwords=["+pw"], keys=["*"],
+                          commands=["+@all", "-cluster"])  # fmt: skip
+    url = f"redis://locks:pw@127.0.0.1:{node.port}/0"
+    store = LockStore.from_url(url)
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            store.client.execute_command("CLUSTER", "INFO")
+        assert checks.store_warnings(store) == []
+    finally:
+        store.close()
+
+
+def test_a_key_on_another_master_fails_naming_moved_and_the_setting(
+    redis_cluster: Callable[[int], list[RedisServer]],
+) -> None:
+    """A worker that was not checked at start (its store became a node of a bigger cluster
+    since): the error its task fails with says MOVED (which redis-py 8 strips from the
+    message) and what to change, not only "error reply: 6341 127.0.0.1:40001"."""
+    node, other = redis_cluster(2)
+    store = LockStore.from_url(node.url)
+    try:
+        # A request in a slot of the other master's half.
+        keys = next(
+            keys
+            for keys in (RequestKeys.build("celery-lock", "t", str(i), "t") for i in range(99))
+            if key_slot(keys.lock.encode()) >= 8192
+        )
+        with pytest.raises(LockStoreError) as refused:
+            store.acquire(keys, new_token(), 5_000, Holder("a", "t", "h", 1), 60_000)
+    finally:
+        store.close()
+    assert type(refused.value) is LockStoreError  # fails, not deferred: retrying cannot help
+    assert re.search(rf"MOVED \d+ 127\.0\.0\.1:{other.port}", str(refused.value))
+    assert "Redis Cluster" in str(refused.value)
+    assert "celery_lock_redis_url" in str(refused.value)
 
 
 @pytest.mark.parametrize("module", [config, checks], ids=lambda m: m.__name__)

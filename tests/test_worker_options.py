@@ -19,7 +19,7 @@ from conftest import settle
 
 from celery_lock import ConfigurationError, LockedTask
 from celery_lock.lease import Holder, encode_lock
-from celery_lock.testing import CeleryWorker
+from celery_lock.testing import CeleryWorker, RedisServer
 from celery_lock.worker import _check_options_fit
 
 pytestmark = pytest.mark.worker
@@ -185,6 +185,22 @@ def test_a_lock_store_not_reachable_at_start_is_warned_about_and_the_worker_star
         r"\(or run unlocked under fail_open\) until it is",
         log,
     ), log
+
+
+def test_a_lock_store_on_a_node_of_a_cluster_of_several_masters_stops_the_worker(
+    worker_env: dict[str, str], redis_cluster: Callable[[int], list[RedisServer]]
+) -> None:
+    """Started, such a worker failed every task whose keys hash to another master's slot
+    (MOVED), and ran the rest: one line says why it does not start, and what URL it needs."""
+    node, *_ = redis_cluster(2)
+    env = {**os.environ, **worker_env}
+    done = celery("worker", "--lock-redis-url", node.url, "--pool", "solo", env=env)
+    assert done.returncode == 1, done.stderr
+    assert (
+        f"Error: celery-lock: celery_lock_redis_url: lock store 127.0.0.1:{node.port} is a node "
+        "of a Redis Cluster of 2 masters"
+    ) in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
 
 
 @pytest.mark.parametrize(("pool", "warned"), [("threads", True), ("prefork", False)])
