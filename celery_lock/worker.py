@@ -243,16 +243,33 @@ def _check_later_steps_at_publish(app: Celery) -> None:
     alone: its later steps are the rest of a canvas a worker passes on (the next step of a
     chain, a chord's body, a replacement), which the caller that published the canvas checked,
     and an error raised there would fail the step that has run, not the one that cannot.
-    """
-    send_task = app.send_task
 
-    @functools.wraps(send_task)
+    The check then publishes through the ``send_task`` the app's class has at that moment, not
+    the one it had here: a wrapper the class gets later (sentry-sdk's, at ``sentry_sdk.init``)
+    or a test's ``mock.patch.object(Celery, "send_task")`` still takes every call. One set on
+    the app itself before this is kept.
+    """
+    own = app.__dict__.get("send_task")
+
+    @functools.wraps(app.send_task)
     def send_task_checked(name: str, *args: Any, **options: Any) -> Any:
         if not options.get("parent_id") and app.current_worker_task is None:
             check_later_steps(app, options)
+        send_task = own if own is not None else _class_send_task(app)
         return send_task(name, *args, **options)
 
     app.send_task = send_task_checked  # type: ignore[method-assign]
+
+
+def _class_send_task(app: Celery) -> Any:
+    """``app.send_task`` as the app's class defines it now, bound to ``app``: found past the
+    app's own attribute, as Python's lookup would find it without that."""
+    for klass in type(app).__mro__:
+        if "send_task" in vars(klass):
+            send_task = vars(klass)["send_task"]
+            bind = getattr(type(send_task), "__get__", None)  # a function; not a mock
+            return send_task if bind is None else bind(send_task, app, type(app))
+    raise AttributeError(f"{type(app).__name__} has no send_task")  # not a Celery app
 
 
 def _disconnect(uid: str) -> None:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import redis
@@ -894,6 +895,41 @@ def test_a_later_step_of_a_call_from_a_running_task_is_left_to_the_worker(
     with pytest.raises(LockKeyError, match="None alone"):
         celery_app.AsyncResult(step_id).get(timeout=TIMEOUT)
     assert calls.seen == []
+
+
+def test_a_send_task_the_app_class_gets_after_install_sees_every_publish(
+    celery_app: Celery,
+    tasks: dict[str, Any],
+    published: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # sentry-sdk wraps Celery.send_task at sentry_sdk.init(), often after the app's module has
+    # installed celery-lock: the check on the app must publish through it, not through the
+    # send_task the class had at install.
+    sent: list[str] = []
+    send_task = type(celery_app).send_task
+
+    def traced_send_task(app: Celery, name: str, *args: Any, **options: Any) -> Any:
+        sent.append(name)
+        return send_task(app, name, *args, **options)
+
+    monkeypatch.setattr(type(celery_app), "send_task", traced_send_task)
+    tasks["nothing"].delay()
+    assert (sent, published) == (["t.nothing"], ["t.nothing"])
+    with pytest.raises(LockKeyError, match=r"^t\.process: "):  # and the check still runs first
+        tasks["nothing"].apply_async(link=tasks["process"].si())
+    assert (sent, published) == (["t.nothing"], ["t.nothing"])
+
+
+def test_a_mock_of_the_app_class_send_task_still_takes_the_call(
+    celery_app: Celery, tasks: dict[str, Any], published: list[str]
+) -> None:
+    # A user's test stubs the broker out with mock.patch.object(Celery, "send_task").
+    with mock.patch.object(type(celery_app), "send_task") as send_task:
+        tasks["process"].delay(7)
+    send_task.assert_called_once()
+    assert send_task.call_args.args[0] == "t.process"
+    assert published == []
 
 
 def test_message_without_key_argument_fails_and_never_runs_unlocked(
