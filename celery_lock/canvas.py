@@ -12,7 +12,8 @@ the first message is published, so the call raises :class:`~celery_lock.LockKeyE
 nothing is sent. Those are the immutable signatures (``.si()``, ``immutable=True``), at any depth
 (in a group, a chord's header or body, a nested chain, a step's own callbacks). A mutable step
 (``.s()``) gets its parent's result before its own arguments, which only the worker knows: it is
-left to the worker, as is a step of a task this process has not registered.
+left to the worker, as is a step of a task this process has not registered (or of an app that
+is not finalized and does not finalize itself).
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def check_later_steps(app: Celery, options: Mapping[str, Any]) -> None:
     """
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 
+    # celery-types declares neither attribute.
+    if not app.finalized and not app.autofinalize:  # type: ignore[attr-defined]
+        # A client that sends by name before it finalizes (autofinalize=False): its registry
+        # is not ready, and reading it would raise ("Contract breach: app not finalized"),
+        # refusing a call Celery sends. Its steps are left to the worker, as unregistered ones.
+        return
     seen: set[int] = set()
     for option in STEP_OPTIONS:
         for step in _signatures(options.get(option), seen):

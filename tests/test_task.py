@@ -38,6 +38,7 @@ from celery_lock import (
     LockStoreUnavailableError,
     ResultUnavailableError,
     follow,
+    install,
     is_skipped,
     signals,
 )
@@ -930,6 +931,21 @@ def test_a_mock_of_the_app_class_send_task_still_takes_the_call(
     send_task.assert_called_once()
     assert send_task.call_args.args[0] == "t.process"
     assert published == []
+
+
+def test_a_client_app_not_finalized_sends_by_name_with_a_step_it_has_not_registered(
+    published: list[str],
+) -> None:
+    # Sent by name before the app is finalized (autofinalize=False): app.tasks would raise
+    # "Contract breach: app not finalized", refusing a call Celery sends. No task of this app
+    # is bound yet, so no step is a LockedTask of its.
+    client = Celery("client", broker="memory://", autofinalize=False, set_as_current=False)
+    install(client)
+    try:
+        client.send_task("t.remote", link=client.signature("t.notify", (1,), immutable=True))
+    finally:
+        client.close()
+    assert published == ["t.remote"]
 
 
 def test_message_without_key_argument_fails_and_never_runs_unlocked(
