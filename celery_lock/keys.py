@@ -231,6 +231,20 @@ def _json_hook(value: Any) -> Any:
         raise TypeError(f"{type(value).__name__}.__json__ raised {exc!r}") from exc
 
 
+def _received_as_none(value: Any) -> bool:
+    """Whether the worker receives ``value`` as ``None``: ``None`` itself, or an object kombu's
+    JSON sends by a ``__json__`` hook that returns ``None`` (a "no value" sentinel), which the
+    caller would otherwise key as ``null`` and the worker refuse as a key of ``None`` alone."""
+    if value is None:
+        return True
+    if type(value) in _AS_SENT or isinstance(value, (dict, list, tuple)):
+        return False  # the usual argument, and what no hook is asked for
+    try:
+        return _as_received(value) is None
+    except (TypeError, RecursionError):
+        return False  # the hook raised, or returns its object: rendering the key says so
+
+
 def _json_key(key: Any) -> Any:
     """A dict key as the text JSON writes for it: ``2`` -> ``"2"``, ``2.0`` -> ``"2.0"``,
     ``True`` -> ``"true"``, ``None`` -> ``"null"``, a ``str`` enum member -> its value."""
@@ -540,8 +554,8 @@ class KeyDeriver:
         # The first field first, without a generator: this runs for every task.
         if (
             fields
-            and arguments[fields[0]] is None
-            and all(arguments[name] is None for name in fields[1:])
+            and _received_as_none(arguments[fields[0]])
+            and all(_received_as_none(arguments[name]) for name in fields[1:])
         ):
             # The key would be one fixed text: every call lacking the value would be one
             # request, skipped as done for a day once the first succeeds. (In a template with

@@ -1217,6 +1217,28 @@ def test_an_object_sent_by_its_json_hook_keys_as_the_worker_receives_it(spec: An
     assert _outcome(derive, sent) == _outcome(derive, _as_worker_receives(sent))
 
 
+class _Unset:
+    """A "no value" sentinel that kombu's JSON sends as ``null`` (its ``__json__`` hook)."""
+
+    def __json__(self) -> None:
+        return None
+
+    def __str__(self) -> str:
+        return "unset"
+
+
+@pytest.mark.parametrize("spec", ["cart", "{cart}", "{cart!r}"], ids=["name", "template", "repr"])
+def test_an_object_the_worker_receives_as_none_cannot_make_a_key_alone(spec: str) -> None:
+    """The worker receives ``None``, which it refuses as a key made of ``None`` alone: the
+    caller keyed the object as ``null``, so the call passed at publish and failed on the
+    worker, unrun, and every direct call with it was one request."""
+    derive = _cart_deriver(spec)
+    sent = (_Unset(), "n")
+    assert _as_worker_receives(sent)[0] is None
+    with pytest.raises(LockKeyError, match="None alone"):
+        derive.request_key(sent, {})
+
+
 @pytest.mark.skipif(
     not hasattr(Task, "_dump_pydantic_arguments"),
     reason="this Celery does not dump pydantic models at publish",
