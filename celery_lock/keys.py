@@ -460,17 +460,6 @@ class KeyDeriver:
                 previous = None
             if template_field is None:
                 continue
-            if previous is not None:
-                # "{a}{b}" reads a="1", b="23" and a="12", b="3" alike, as "123": two requests
-                # with one key, and the second skipped as a duplicate of the first.
-                raise LockKeyError(
-                    f"lock_key template {self.spec!r} joins {{{previous}}} and "
-                    f"{{{template_field}}} with nothing between them, so different values can "
-                    f"read alike ('1' + '23', '12' + '3'): add a separator, such as "
-                    f"'{{{previous}}}:{{{template_field}}}'",
-                    task_name=self.task_name,
-                )
-            previous = template_field
             if conversion not in (None, "r", "s", "a"):
                 raise LockKeyError(
                     f"lock_key template {self.spec!r} is malformed: unknown conversion "
@@ -493,6 +482,18 @@ class KeyDeriver:
                     f"{{{template_field}}}: name the value's own attribute or item",
                     task_name=self.task_name,
                 )
+            if previous is not None:
+                # "{a}{b}" reads a="1", b="23" and a="12", b="3" alike, as "123": two requests
+                # with one key, and the second skipped as a duplicate of the first. Checked
+                # after the field's own checks, which the separator asked for would not mend.
+                raise LockKeyError(
+                    f"lock_key template {self.spec!r} joins {{{previous}}} and "
+                    f"{{{template_field}}} with nothing between them, so different values can "
+                    f"read alike ('1' + '23', '12' + '3'): add a separator, such as "
+                    f"'{{{previous}}}:{{{template_field}}}'",
+                    task_name=self.task_name,
+                )
+            previous = template_field
             names.append((root, template_field))
         return names
 

@@ -848,6 +848,26 @@ def test_a_template_joining_two_fields_without_a_separator_fails_at_class_creati
             pass
 
 
+@pytest.mark.parametrize(
+    ("template", "problem"),
+    [("{tenant}{0}", "must name its fields"), ("{tenant}{}", "must name its fields"),
+     ("{tenant}{request_idx.__class__}", "reaches a dunder attribute"),
+     ("{tenant}{request_idx!x}", "unknown conversion")],
+    ids=["positional", "auto-numbered", "dunder", "conversion"],
+)  # fmt: skip
+def test_a_glued_field_that_is_itself_refused_is_named_for_its_own_problem(
+    template: str, problem: str
+) -> None:
+    # Asked for a separator, "{tenant}:{0}" would be refused next, for what was wrong first.
+    with pytest.raises(LockKeyError, match=problem) as raised:
+
+        @app.task(name="keys_tests.glued_bad", lock_key=template, **TASK_OPTIONS)
+        def glued_bad(tenant: Any, request_idx: Any) -> None:
+            pass
+
+    assert "separator" not in str(raised.value)
+
+
 @pytest.mark.parametrize("spec", ["{cart}-{note}", "cart:{cart}{{}}{note}{{y}}", "{cart}{{{note}"])
 def test_a_template_whose_fields_a_literal_separates_is_accepted(spec: str) -> None:
     # An escaped brace is literal text, and separates as any other does.
