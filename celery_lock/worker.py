@@ -242,7 +242,10 @@ def _check_later_steps_at_publish(app: Celery) -> None:
     A call with a parent (a ``parent_id`` given, or published from a running task) is left
     alone: its later steps are the rest of a canvas a worker passes on (the next step of a
     chain, a chord's body, a replacement), which the caller that published the canvas checked,
-    and an error raised there would fail the step that has run, not the one that cannot.
+    and an error raised there would fail the step that has run, not the one that cannot. So is
+    a retry (``retries`` given), the same call again: under Celery 5.7's
+    ``task_retry_on_worker_lost`` the worker's main process publishes a killed step's retry,
+    and an error there would fail that step rather than retry it.
 
     The check then publishes through the ``send_task`` the app's class has at that moment, not
     the one it had here: a wrapper the class gets later (sentry-sdk's, at ``sentry_sdk.init``)
@@ -258,6 +261,7 @@ def _check_later_steps_at_publish(app: Celery) -> None:
         if (
             any(options.get(option) for option in STEP_OPTIONS)
             and not options.get("parent_id")
+            and not options.get("retries")
             and app.current_worker_task is None
         ):
             check_later_steps(app, options)

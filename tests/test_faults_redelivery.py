@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, Task
 from celery.result import AsyncResult
 from celery.states import READY_STATES
 from conftest import close_producer, wait_for
@@ -256,6 +256,24 @@ def test_killed_pool_process_message_reruns_under_an_app_wide_retry_on_worker_lo
 
     wait_state(result, "SUCCESS", timeout=2 * KILLED_POOL_TTL + TIMEOUT)
     assert [(run["task_id"], run["fence"]) for run in record.runs()] == [(result.id, 2)]
+
+
+@pytest.mark.skipif(
+    not hasattr(Task, "retry_on_worker_lost"), reason="Celery before 5.7 does not retry it"
+)
+def test_a_killed_first_step_is_retried_with_the_later_steps_its_message_carries(
+    start_worker: Callable[..., CeleryWorker], producer: Celery
+) -> None:
+    # Under task_retry_on_worker_lost the worker's main process publishes the retry, with the
+    # steps the message carries: here a link a producer that does not register its task sent
+    # unchecked, and which cannot be keyed (None alone). The retry is the same call again, no
+    # first publish: refused for that step, it would fail the step that can run ("Failed to
+    # retry task"), whose link is left to fail alone, on the worker, as it would have anyway.
+    start_worker(FAULT_CONF=json.dumps({"task_retry_on_worker_lost": True}))
+    step = producer.signature(TASK, (None,), immutable=True)
+    result = producer.send_task("fault.killed_once", link=step)
+
+    wait_state(result, "SUCCESS", timeout=2 * TIMEOUT)
 
 
 # -- 2. the whole worker SIGKILLed ----------------------------------------------------------------

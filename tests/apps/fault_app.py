@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -63,6 +64,15 @@ def work(self: Any, request_idx: int, seconds: float = 3.0) -> int:
         end=time.monotonic(),
     )
     return request_idx
+
+
+@app.task(bind=True, name="fault.killed_once", default_retry_delay=0)
+def killed_once(self: Any) -> str:
+    """A plain task whose pool process dies on its first delivery (as the OOM killer would
+    kill it), and that returns on its retry."""
+    if not self.request.retries:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "done"
 
 
 @lock_deferred.connect
