@@ -15,8 +15,8 @@ An argument in a name or template key (or a value a template reaches through one
 ``int``), ``true``/``false``/``null`` (a ``bool`` or ``None``), its digest (``bytes``), its
 canonical JSON (a ``dict``, ``list``, ``tuple`` or ``set``: equal values give one key, whatever
 their order), what kombu's ``__json__`` hook returns (as the worker receives it), or its
-``str()``. A key made of ``None`` alone is refused (every call missing the
-value would become one request), and so is a value whose only text is its memory address.
+``str()``. A key made of ``None`` alone is refused (every call missing the value would become
+one request), and so is a value whose only text is its memory address.
 Values are not escaped: one that holds a template's separator reads as a split the template did
 not mean (``{a}:{b}`` keys ``("x:y", "z")`` and ``("x", "y:z")`` alike), a limit documented
 rather than fixed, as escaping would change the keys of requests in flight across an upgrade.
