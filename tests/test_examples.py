@@ -116,3 +116,109 @@ def test_verify_fails_on_a_doubled_stage_an_overlap_and_a_stale_fence(
     assert "request 11: fence 1 of process after fence 2 of pending" in out
     assert "request 10" not in out
     assert "verify: FAILED: 3 check(s) failed" in out
+
+
+#: The chaos run's bound: worker starts, its faults, and a drain slowed by a loaded machine.
+CHAOS_QUICK_LIMIT = 420
+
+
+@pytest.mark.worker
+@pytest.mark.timeout(CHAOS_QUICK_LIMIT + 120)
+def test_pipeline_chaos_quick_run_finds_no_violation() -> None:
+    done = run([sys.executable, "-m", "examples.pipeline.chaos", "--quick"], CHAOS_QUICK_LIMIT)
+    out = done.stdout
+    assert done.returncode == 0
+    assert re.search(r"^  violations\s+0$", out, re.M)
+    assert re.search(r"^  requests\s+30$", out, re.M)
+    # Every kind of fault was made at least once, whatever the seed.
+    for row in ("pool processes killed", "lock store restarts", "forced visibility sweeps"):
+        assert re.search(rf"^  {row}\s+[1-9]", out, re.M), row
+    assert "VIOLATION" not in out
+
+
+def chaos_entry(key: str, **fields: object) -> tuple[str, str]:
+    return key, json.dumps(fields)
+
+
+def test_chaos_checks_find_each_kind_of_violation(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chaos run's checks are not vacuous: a record with a re-run after a done-marker, an
+    overlap, a fence gone back, a body that vanished and a stale accepted write fails each
+    check; a clean request with a killed body's re-run fails none."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from examples.pipeline.chaos import (  # noqa: PLC0415 - needs the checkout on sys.path
+        Faults,
+        find_violations,
+    )
+
+    def body(stage: str, idx: int, fence: int, pid: int, start: float, end: float | None,
+             done: bool = True) -> list[tuple[str, str]]:  # fmt: skip
+        ids = {"stage": stage, "request_idx": idx, "task_id": f"{stage}-{idx}-{pid}", "pid": pid}
+        entries = [chaos_entry("pipeline:started", **ids, fence=fence, start=start)]
+        if end is not None:
+            entries.append(chaos_entry("pipeline:executions", **ids, fence=fence, start=start,
+                                       end=end, lost=False))  # fmt: skip
+            entries.append(chaos_entry("pipeline:writes", **ids, fence=fence, accepted=True,
+                                       before=end - 0.1, after=end - 0.05))  # fmt: skip
+            entries.append(chaos_entry("pipeline:releases", stage=stage,
+                                       task_id=ids["task_id"], pid=pid, success=done,
+                                       owned=True))  # fmt: skip
+        return entries
+
+    entries = [
+        # request 10: clean; its first pending body (pid 50) was killed and ran again
+        *body("pending", 10, 1, 50, 0.0, None),
+        *body("pending", 10, 2, 51, 0.5, 1.0),
+        *body("process", 10, 3, 52, 1.0, 2.0),
+        *body("callback", 10, 4, 53, 2.0, 3.0),
+        # request 11: process ran again after a done release, overlapping callback, fence back
+        *body("pending", 11, 1, 60, 0.0, 1.0),
+        *body("process", 11, 2, 61, 1.0, 2.0),
+        *body("callback", 11, 4, 62, 2.5, 3.5),
+        *body("process", 11, 3, 63, 3.0, 4.0),
+        # request 12: callback started and vanished (not killed); it never ended
+        *body("pending", 12, 1, 70, 0.0, 1.0),
+        *body("process", 12, 2, 71, 1.0, 2.0),
+        *body("callback", 12, 3, 72, 2.0, None),
+    ]
+    records = redis_server.client(RECORD_DB)
+    records.flushdb()
+    try:
+        for key, value in entries:
+            records.rpush(key, value)
+        for idx, fence in ((10, 4), (11, 4), (12, 1)):
+            records.hset(f"pipeline:state:{idx}", mapping={"value": "x", "fence": fence})
+        found = find_violations(records, range(10, 13), Faults(kills={50: ("pending", 0.4)}))
+    finally:
+        records.flushdb()
+        records.close()
+
+    problems = {check: "\n".join(found) for check, found in found.violations.items()}
+    assert "request 10" not in "\n".join(problems.values())
+    assert found.counts["re-runs: killed"] == 1
+    assert (
+        "request 11: process (process-11-61) released done, and ran again"
+        in problems["no stage ran again once its done-marker was written"]
+    )
+    assert (
+        "request 11: process (fence 3) started"
+        in problems["no two bodies of one request ran at the same time"]
+    )
+    assert (
+        "request 11: fence 3 of process after fence 4 of callback"
+        in problems["fences strictly increase per request, in start order"]
+    )
+    assert (
+        "request 11: process wrote fence 3 after callback wrote fence 4"
+        in problems["every accepted fenced write had a fence >= every earlier accepted one"]
+    )
+    assert (
+        "request 12: callback (callback-12-72, pid 72) started and never ended"
+        in problems["every body that started ended or was killed"]
+    )
+    assert "request 12: callback never ended" in problems["every request completed every stage"]
+    assert (
+        "request 12: stored fence 1, largest accepted 2"
+        in problems["every accepted fenced write had a fence >= every earlier accepted one"]
+    )

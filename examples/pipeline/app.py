@@ -23,8 +23,9 @@ Configured from the environment:
 - ``PIPELINE_WORK_SECONDS``: how long each stage's body works (default 0.2)
 
 Every execution of a stage body appends one JSON record (stage, request_idx, task id, fence,
-monotonic start and end, host, pid) to the Redis list ``pipeline:executions``; every delivery's
-outcome and every skip or deferral is recorded too, so ``verify`` can tell what happened.
+monotonic start and end, host, pid, whether its lease was lost) to the Redis list
+``pipeline:executions``; every delivery's outcome, every skip or deferral, every release and every
+fenced write is recorded too, so ``verify`` and ``chaos`` can tell what happened.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from celery import Celery, Task
 from celery.signals import before_task_publish, task_postrun
 
 import celery_lock
-from celery_lock import LockedTask
-from celery_lock.signals import lock_deferred, lock_skipped
+from celery_lock import FencedRedis, LockedTask
+from celery_lock.signals import lock_deferred, lock_released, lock_skipped
 
 BROKER_URL = os.environ.get("PIPELINE_BROKER_URL", "redis://localhost:6379/0")
 BACKEND_URL = os.environ.get("PIPELINE_BACKEND_URL", "redis://localhost:6379/1")
@@ -77,6 +78,8 @@ PUBLISHED_KEY = "pipeline:published"  # messages published (producer, next stage
 FINISHED_KEY = "pipeline:finished"  # deliveries that finished, whatever their outcome
 NEXT_REQUEST_KEY = "pipeline:next-request-idx"  # the producer takes fresh request numbers here
 LAST_RUN_KEY = "pipeline:last-run"
+RELEASES_KEY = "pipeline:releases"  # one entry per release that got an answer
+WRITES_KEY = "pipeline:writes"  # one entry per fenced write of a stage body
 
 
 def run_key(run_id: str) -> str:
@@ -84,7 +87,14 @@ def run_key(run_id: str) -> str:
     return f"pipeline:run:{run_id}"
 
 
+def state_key(request_idx: int) -> str:
+    """Key of a request's state, which every stage writes with its fence."""
+    return f"pipeline:state:{request_idx}"
+
+
 records = redis.Redis.from_url(RECORD_URL)
+# The stages' "downstream store": a write carrying a smaller fence than the one stored is refused.
+fenced_records = FencedRedis(records)
 HOST = socket.gethostname()
 
 
@@ -104,6 +114,7 @@ def execution(task: Task[Any, Any], request_idx: int) -> Iterator[dict[str, Any]
     records.rpush(STARTED_KEY, json.dumps(entry))
     yield entry
     entry["end"] = time.monotonic()
+    entry["lost"] = bool(getattr(task.request, "lock_lost", False))
     records.rpush(EXECUTIONS_KEY, json.dumps(entry))
 
 
@@ -113,9 +124,23 @@ LOCKED = {"base": LockedTask, "bind": True, "lock_scope": "request", "lock_key":
 
 
 def work(task: Task[Any, Any], request_idx: int) -> None:
-    """A stage's real work. A real one passes ``task.request.lock_fence`` to its writes
-    (``celery_lock.fenced_update``), so a holder that outlived its lease cannot overwrite."""
+    """A stage's work: a while of it, then one write of the request's state with the stage's
+    fence, so that a holder that outlived its lease cannot overwrite a later one. Each write is
+    recorded with its outcome and the monotonic times around it (for ``chaos``)."""
     time.sleep(WORK_SECONDS)
+    fence = int(task.request.lock_fence)
+    before = time.monotonic()
+    accepted = fenced_records.set(state_key(request_idx), TASK_NAMES[task.name], fence)
+    entry = {
+        "stage": TASK_NAMES[task.name],
+        "request_idx": request_idx,
+        "task_id": task.request.id,
+        "fence": fence,
+        "accepted": accepted,
+        "before": before,
+        "after": time.monotonic(),
+    }
+    records.rpush(WRITES_KEY, json.dumps(entry))
 
 
 @app.task(name="pipeline.pending", **LOCKED)
@@ -203,6 +228,24 @@ def _lock_event(event: str, sender: Task[Any, Any], task_id: str, reason: str) -
 @lock_skipped.connect
 def record_skip(sender: Task[Any, Any], task_id: str, reason: str, **_: Any) -> None:
     _lock_event("skipped", sender, task_id, reason)
+
+
+@lock_released.connect
+def record_release(
+    sender: Task[Any, Any], task_id: str, success: bool, owned: bool, **_: Any
+) -> None:
+    """A release that got an answer; ``success``: the stage's done-marker was written. Sent
+    from the pool process (its heartbeat thread, for a release tried again later), so the pid
+    tells two runs of one task id apart."""
+    if sender.name in TASK_NAMES:
+        entry = {
+            "stage": TASK_NAMES[sender.name],
+            "task_id": task_id,
+            "pid": os.getpid(),
+            "success": success,
+            "owned": owned,
+        }
+        records.rpush(RELEASES_KEY, json.dumps(entry))
 
 
 @lock_deferred.connect

@@ -62,6 +62,69 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def pipeline_env(urls: list[str], work_seconds: float) -> dict[str, str]:
+    """The ``PIPELINE_*`` environment of the workers and the producer, from the broker, backend,
+    lock store and record URLs (in that order), with this checkout importable."""
+    broker_url, backend_url, lock_url, record_url = urls
+    return {
+        "PIPELINE_BROKER_URL": broker_url,
+        "PIPELINE_BACKEND_URL": backend_url,
+        "PIPELINE_LOCK_URL": lock_url,
+        "PIPELINE_RECORD_URL": record_url,
+        "PIPELINE_WORK_SECONDS": str(work_seconds),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+
+
+def worker_lock_options(lock_url: str, lock_ttl: float, on_duplicate: str) -> list[str]:
+    """The ``celery worker`` options that point every stage's pool at the lock store."""
+    return [
+        "--lock-redis-url",
+        lock_url,
+        "--lock-ttl",
+        f"{lock_ttl:g}",
+        "--lock-on-duplicate",
+        on_duplicate,
+    ]
+
+
+def stage_workers(
+    env: dict[str, str], lock_options: list[str], concurrency: int, log_dir: Path
+) -> list[CeleryWorker]:
+    """One prefork worker per stage (``-Q <stage>``), not started yet; logs in ``log_dir``."""
+    return [
+        CeleryWorker(
+            APP,
+            concurrency=concurrency,
+            queues=[stage],
+            hostname=f"{stage}-{uuid.uuid4().hex[:6]}@%h",
+            extra_args=["-E", "--without-mingle", "--without-gossip", *lock_options],
+            env=env,
+            cwd=ROOT,
+            logfile=log_dir / f"{stage}.log",
+        )
+        for stage in STAGES
+    ]
+
+
+def start_workers(workers: list[CeleryWorker], timeout: float = 60.0) -> None:
+    """Start the workers side by side; return once each is ready.
+
+    Raises:
+        RuntimeError: a worker exited during startup.
+        TimeoutError: a worker was not ready within ``timeout`` seconds.
+    """
+    with ThreadPoolExecutor(len(workers)) as pool:
+        for future in [pool.submit(worker.start, timeout) for worker in workers]:
+            future.result()
+
+
+def stop_workers(workers: list[CeleryWorker]) -> None:
+    """Stop the workers side by side, each by its process group (warm, then SIGKILL)."""
+    with ThreadPoolExecutor(max(1, len(workers))) as pool:
+        list(pool.map(lambda worker: worker.stop(), workers))
+
+
 def say(message: str) -> None:
     print(f"run: {message}", flush=True)
 
@@ -92,43 +155,14 @@ def main(argv: list[str] | None = None) -> int:
             server.start()
             say(f"private redis-server on port {server.port} (pid {server.pid})")
             urls = [url or server.url_for(db) for db, url in enumerate(urls)]
-        broker_url, backend_url, lock_url, record_url = urls
-        env = {
-            "PIPELINE_BROKER_URL": broker_url,
-            "PIPELINE_BACKEND_URL": backend_url,
-            "PIPELINE_LOCK_URL": lock_url,
-            "PIPELINE_RECORD_URL": record_url,
-            "PIPELINE_WORK_SECONDS": str(work_seconds),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        }
-        lock_options = [
-            "--lock-redis-url",
-            lock_url,
-            "--lock-ttl",
-            f"{args.lock_ttl:g}",
-            "--lock-on-duplicate",
-            args.lock_on_duplicate,
-        ]
-        workers = [
-            CeleryWorker(
-                APP,
-                concurrency=args.concurrency,
-                queues=[stage],
-                hostname=f"{stage}-{uuid.uuid4().hex[:6]}@%h",
-                extra_args=["-E", "--without-mingle", "--without-gossip", *lock_options],
-                env=env,
-                cwd=ROOT,
-                logfile=log_dir / f"{stage}.log",
-            )
-            for stage in STAGES
-        ]
+        env = pipeline_env(urls, work_seconds)
+        lock_options = worker_lock_options(urls[2], args.lock_ttl, args.lock_on_duplicate)
+        workers = stage_workers(env, lock_options, args.concurrency, log_dir)
         say(
             f"starting 3 worker pools (-c {args.concurrency}): "
             f"celery -A {APP} worker -Q <stage> {' '.join(lock_options)}"
         )
-        with ThreadPoolExecutor(len(workers)) as pool:
-            for future in [pool.submit(worker.start, 60.0) for worker in workers]:
-                future.result()
+        start_workers(workers)
         say(
             "workers ready: "
             + ", ".join(f"{s} (pid {w.pid})" for s, w in zip(STAGES, workers, strict=True))
@@ -185,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"failed: {exc}")
         status = 2
     finally:
-        with ThreadPoolExecutor(max(1, len(workers))) as pool:
-            list(pool.map(lambda worker: worker.stop(), workers))
+        stop_workers(workers)
         if server is not None:
             server.stop()
         if status != 0:
