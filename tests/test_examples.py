@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from amqp.exceptions import NotFound
+from kombu import Connection
 from programs import run_program
 
 from celery_lock.testing import RedisServer
@@ -134,6 +136,34 @@ def test_pipeline_chaos_quick_run_finds_no_violation() -> None:
     for row in ("pool processes killed", "lock store restarts", "forced visibility sweeps"):
         assert re.search(rf"^  {row}\s+[1-9]", out, re.M), row
     assert "VIOLATION" not in out
+
+
+@pytest.mark.worker
+@pytest.mark.amqp
+@pytest.mark.timeout(CHAOS_QUICK_LIMIT + 120)
+def test_pipeline_chaos_quick_run_over_rabbitmq_finds_no_violation(rabbitmq: str) -> None:
+    """The same over RabbitMQ, where the broker's redelivery comes from a worker crash; the
+    run's own queues and their exchanges are gone at the end."""
+    done = run(
+        [sys.executable, "-m", "examples.pipeline.chaos", "--quick", "--broker", rabbitmq],
+        CHAOS_QUICK_LIMIT,
+    )
+    out = done.stdout
+    assert done.returncode == 0
+    assert re.search(r"^  violations\s+0$", out, re.M)
+    assert re.search(r"^  requests\s+30$", out, re.M)
+    for row in ("pool processes killed", "lock store restarts", "worker crashes"):
+        assert re.search(rf"^  {row}\s+[1-9]", out, re.M), row
+    assert "VIOLATION" not in out
+    queues = re.search(r"^\[chaos\].* queues (\S+), (\S+), (\S+)$", done.stderr, re.M)
+    assert queues is not None
+    with Connection(rabbitmq) as connection:
+        for name in queues.groups():
+            assert "-chaos-" in name
+            with pytest.raises(NotFound):
+                connection.channel().queue_declare(name, passive=True)
+            with pytest.raises(NotFound):
+                connection.channel().exchange_declare(name, "direct", passive=True)
 
 
 def chaos_entry(key: str, **fields: object) -> tuple[str, str]:

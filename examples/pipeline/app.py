@@ -21,6 +21,7 @@ Configured from the environment:
 - ``PIPELINE_LOCK_URL``: lock store, a Redis (default redis://localhost:6379/2)
 - ``PIPELINE_RECORD_URL``: where runs are recorded for verify (default redis://localhost:6379/3)
 - ``PIPELINE_WORK_SECONDS``: how long each stage's body works (default 0.2)
+- ``PIPELINE_QUEUE_SUFFIX``: appended to the queue names (default none: ``pending``...)
 
 Every execution of a stage body appends one JSON record (stage, request_idx, task id, fence,
 monotonic start and end, host, pid, whether its lease was lost) to the Redis list
@@ -51,15 +52,19 @@ BACKEND_URL = os.environ.get("PIPELINE_BACKEND_URL", "redis://localhost:6379/1")
 LOCK_URL = os.environ.get("PIPELINE_LOCK_URL", "redis://localhost:6379/2")
 RECORD_URL = os.environ.get("PIPELINE_RECORD_URL", "redis://localhost:6379/3")
 WORK_SECONDS = float(os.environ.get("PIPELINE_WORK_SECONDS", "0.2"))
+# Appended to each stage's queue name, so that a run on a shared broker (chaos.py on RabbitMQ)
+# has queues of its own; its workers then consume -Q pending<suffix>, and so on.
+QUEUE_SUFFIX = os.environ.get("PIPELINE_QUEUE_SUFFIX", "")
 
 STAGES = ("pending", "process", "callback")
 TASK_NAMES = {f"pipeline.{stage}": stage for stage in STAGES}
+QUEUES = {stage: f"{stage}{QUEUE_SUFFIX}" for stage in STAGES}
 
 app = Celery("pipeline", broker=BROKER_URL, backend=BACKEND_URL)
 app.conf.update(
     celery_lock_redis_url=LOCK_URL,
     # One queue per stage: each stage is served by its own worker pool (-Q <stage>).
-    task_routes={name: {"queue": stage} for name, stage in TASK_NAMES.items()},
+    task_routes={name: {"queue": QUEUES[stage]} for name, stage in TASK_NAMES.items()},
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     result_expires=3600,

@@ -4,18 +4,23 @@
 
     python -m examples.pipeline.chaos --quick     # 30 requests, ~15 s of faults, under a minute
     python -m examples.pipeline.chaos             # 300 requests, 60 s of faults
+    python -m examples.pipeline.chaos --broker amqp://guest:guest@127.0.0.1:5672//
 
-1. Starts two private ``redis-server`` processes: one for the broker, the results and the record,
-   and the lock store, which keeps its data across a restart (``appendonly``, ``appendfsync
-   always``, in a directory of this run), as a production lock store must for its done-markers
-   and fence counters to outlive a restart.
+1. Starts two private ``redis-server`` processes: one for the broker (unless ``--broker`` names
+   a RabbitMQ), the results and the record, and the lock store, which keeps its data across a
+   restart (``appendonly``, ``appendfsync always``, in a directory of this run), as a
+   production lock store must for its done-markers and fence counters to outlive a restart.
 2. Starts the three stage workers (``celery worker -P prefork``, ``--concurrency`` processes
    each) and the producer, which sends every request ``--copies`` times, shuffled, some of those
    again with the same task id, and duplicates straight into *process*.
 3. For ``--chaos-seconds``, at random intervals: SIGKILLs a random pool process of a random
    stage (as the OOM killer would); stops the lock store's ``redis-server`` and starts it again
-   on the same port; or sweeps the Redis broker for messages unacknowledged for over a second,
-   as a visibility timeout would, so that running and waiting messages are delivered again.
+   on the same port; or makes the broker deliver again (examples/pipeline/brokers.py): on Redis,
+   sweeps for messages unacknowledged for over a second, as a visibility timeout would, so that
+   running and waiting messages are delivered again while their first delivery goes on; on
+   RabbitMQ, crashes a stage's worker (SIGKILL of its process group) and starts a new one, and
+   RabbitMQ requeues what the dead one had not acknowledged. On RabbitMQ the stages' queues
+   have names of this run's own, deleted at the end.
 4. Waits (bounded) until every request's *callback* has run and the broker holds nothing,
    queued or unacknowledged; then checks the record and prints a summary. Exit status: 0 no
    violation, 1 a violation, 2 the run could not start or did not drain.
@@ -60,8 +65,11 @@ from typing import Any
 if __name__ == "__main__" and not __package__:  # run as a file: make `examples` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from kombu.exceptions import OperationalError
+
 from celery_lock.fencing import fenced_get
 from celery_lock.testing import CeleryWorker, RedisServer
+from examples.pipeline.brokers import RabbitBroker, RedisBroker
 from examples.pipeline.run import (
     ROOT,
     STAGES,
@@ -74,12 +82,6 @@ from examples.pipeline.run import (
 
 # Databases of the main redis-server, one role each (the lock store has a server of its own).
 BROKER_DB, BACKEND_DB, RECORD_DB = 0, 1, 3
-#: kombu's Redis transport keeps delivered, unacknowledged messages in this hash.
-UNACKED = "unacked"
-#: ... and when each was delivered (wall-clock seconds), for the visibility timeout's sweep.
-UNACKED_INDEX = "unacked_index"
-#: A forced sweep sends back every message unacknowledged for longer than this (seconds).
-SWEEP_VISIBILITY_TIMEOUT = 1.0
 # The record's keys, as examples/pipeline/app.py writes them; not imported from there, since
 # importing app.py configures its Celery app from PIPELINE_* (and the checks run without one).
 STARTED_KEY = "pipeline:started"
@@ -89,7 +91,7 @@ WRITES_KEY = "pipeline:writes"
 LOCK_EVENTS_KEY = "pipeline:lock-events"
 STATE_KEY = "pipeline:state:{}"
 LAST_RUN_KEY = "pipeline:last-run"
-FAULTS = ("kill", "restart", "sweep")
+FAULTS = ("kill", "restart", "redeliver")
 #: How often each fault is drawn: kills most, since they are what re-runs bodies.
 FAULT_WEIGHTS = (5, 1, 2)
 _STARTED = time.monotonic()
@@ -105,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="chaos", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
     parser.add_argument("--quick", action="store_true", help="a small run, under a minute")
+    parser.add_argument(
+        "--broker",
+        metavar="AMQP_URL",
+        help="a RabbitMQ, amqp://... (default: a private redis-server)",
+    )
     parser.add_argument("--requests", type=int, help="requests to inject (300; quick: 30)")
     parser.add_argument("--copies", type=int, default=3, help="copies of each request (3)")
     parser.add_argument("--concurrency", type=int, default=3, help="processes per stage (3)")
@@ -143,14 +150,13 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 class Faults:
     """What the chaos loop did, with the monotonic time of each fault."""
 
-    #: pid -> (stage, when): pool processes SIGKILLed.
+    #: pid -> (stage, when): pool processes SIGKILLed, alone or with their worker.
     kills: dict[int, tuple[str, float]] = field(default_factory=dict)
-    #: kills of a process that was running a body
+    #: pool processes SIGKILLed alone, and of those, the ones running a body
+    pool_kills: int = 0
     busy_kills: int = 0
     #: (down, up): lock store outages.
     outages: list[tuple[float, float]] = field(default_factory=list)
-    sweeps: int = 0
-    swept: int = 0
 
 
 def busy_pids(records: Any, stage: str) -> set[int]:
@@ -178,6 +184,7 @@ def kill_pool_process(
     except ProcessLookupError:
         return f"kill: {stage} pool process {pid} was gone already"
     faults.kills[pid] = (stage, time.monotonic())
+    faults.pool_kills += 1
     faults.busy_kills += bool(busy)
     return f"kill: SIGKILL {stage} pool process {pid} ({'busy' if busy else 'idle'})"
 
@@ -193,20 +200,6 @@ def restart_lock_store(
     lock_server.start(timeout=30)
     faults.outages.append((down, time.monotonic()))
     return f"restart: lock store down {time.monotonic() - down:.1f}s, back as pid {lock_server.pid}"
-
-
-def force_visibility_timeout(app: Any, visibility_timeout: float) -> int:
-    """Sweep the Redis broker as kombu does when a visibility timeout passes (a worker at
-    startup and periodically): every message unacknowledged for longer than
-    ``visibility_timeout`` goes back on its queue, while its first delivery goes on. The same
-    sweep as tests/test_faults_redelivery.py's. Returns how many were that old."""
-    with app.connection_for_write(
-        transport_options={"visibility_timeout": visibility_timeout}
-    ) as conn:
-        channel = conn.default_channel
-        older = channel.client.zcount(UNACKED_INDEX, 0, time.time() - visibility_timeout)
-        channel.qos.restore_visible(num=1000, interval=1)
-    return int(older)
 
 
 def chaos(
@@ -244,17 +237,21 @@ def last_manifest(records: Any) -> dict[str, Any] | None:
 
 
 def wait_drained(
-    records: Any, broker: Any, requests: range, timeout: float, quiet: float = 2.0
+    records: Any,
+    outstanding: Callable[[], tuple[int, int]],
+    requests: range,
+    timeout: float,
+    quiet: float = 2.0,
 ) -> bool:
     """Wait until every callback has run and the broker holds no message, queued or
-    unacknowledged (deferred copies wait unacknowledged), for ``quiet`` seconds on end."""
+    unacknowledged (deferred copies wait unacknowledged), for ``quiet`` seconds on end;
+    ``outstanding()`` tells how many are queued and unacknowledged."""
     deadline = time.monotonic() + timeout
     next_note = time.monotonic() + 5
     quiet_since: float | None = None
     while True:
         done = len(callbacks_done(records, requests))
-        queued = sum(int(broker.llen(stage)) for stage in STAGES)
-        unacked = int(broker.hlen(UNACKED))
+        queued, unacked = outstanding()
         now = time.monotonic()
         if done == len(requests) and not queued and not unacked:
             quiet_since = quiet_since or now
@@ -437,7 +434,13 @@ def _check_fenced_writes(
 # -- the run --------------------------------------------------------------------------------------
 
 
-def summary(manifest: dict[str, Any], faults: Faults, found: Findings, seconds: float) -> str:
+def summary(
+    manifest: dict[str, Any],
+    faults: Faults,
+    broker: RedisBroker | RabbitBroker,
+    found: Findings,
+    seconds: float,
+) -> str:
     """The summary table (stdout)."""
     sent = manifest.get("sent", {})
     counts = found.counts
@@ -450,9 +453,9 @@ def summary(manifest: dict[str, Any], faults: Faults, found: Findings, seconds: 
             f"same-id redeliveries, {sent.get('process_duplicates', 0)} duplicates to process)",
         ),
         ("duplicates (beyond one per request)", f"{sum(sent.values()) - manifest['count']}"),
-        ("pool processes killed", f"{len(faults.kills)} ({faults.busy_kills} running a body)"),
+        ("pool processes killed", f"{faults.pool_kills} ({faults.busy_kills} running a body)"),
         ("lock store restarts", f"{len(faults.outages)}"),
-        ("forced visibility sweeps", f"{faults.sweeps} ({faults.swept} messages sent back)"),
+        (broker.fault, broker.summary()),
         ("body runs", f"{counts['body runs']}"),
         (
             "re-runs",
@@ -476,7 +479,10 @@ def summary(manifest: dict[str, Any], faults: Faults, found: Findings, seconds: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.broker and not args.broker.startswith(("amqp://", "pyamqp://")):
+        parser.error("--broker: a RabbitMQ URL, amqp://... (without it: a private Redis)")
     requests = args.requests or (30 if args.quick else 300)
     chaos_seconds = args.chaos_seconds or (15.0 if args.quick else 60.0)
     drain_timeout = args.drain_timeout or (240.0 if args.quick else 600.0)
@@ -494,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_args=["--dir", str(work_dir), "--appendonly", "yes", "--appendfsync", "always"]
     )
     workers: list[CeleryWorker] = []
+    broker: RedisBroker | RabbitBroker | None = None
     producer: subprocess.Popen[bytes] | None = None
     status = 2
     began = time.monotonic()
@@ -501,23 +508,42 @@ def main(argv: list[str] | None = None) -> int:
         main_server.start()
         lock_server.start()
         note(
-            f"seed {seed}; redis-server pid {main_server.pid} (broker, results, record), "
+            f"seed {seed}; redis-server pid {main_server.pid} "
+            f"({'results, record' if args.broker else 'broker, results, record'}), "
             f"lock store pid {lock_server.pid} (appendonly)"
         )
         urls = [
-            main_server.url_for(BROKER_DB),
+            args.broker or main_server.url_for(BROKER_DB),
             main_server.url_for(BACKEND_DB),
             lock_server.url_for(0),
             main_server.url_for(RECORD_DB),
         ]
-        env = pipeline_env(urls, args.work_seconds)
+        # On a shared RabbitMQ, queues of this run's own, so that runs do not take each
+        # other's messages; the private Redis needs none.
+        suffix = f"-chaos-{seed:x}-{os.getpid()}" if args.broker else ""
+        env = pipeline_env(urls, args.work_seconds, suffix)
         os.environ.update({k: v for k, v in env.items() if k != "PYTHONPATH"})
         from examples.pipeline import app as pipeline  # noqa: PLC0415 - reads PIPELINE_* on import
 
+        queues = [pipeline.QUEUES[stage] for stage in STAGES]
+        if args.broker:
+            with pipeline.app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=2)  # unreachable: fail now, not at startup
+            note(f"broker {conn.as_uri()}: queues {', '.join(queues)}")
+        records = pipeline.records
+        faults = Faults()
         lock_options = worker_lock_options(lock_server.url_for(0), args.lock_ttl, "skip")
         workers = stage_workers(env, lock_options, args.concurrency, log_dir)
-        start_workers(workers)
         by_stage = dict(zip(STAGES, workers, strict=True))
+        broker = (
+            RabbitBroker(
+                pipeline.app, queues, by_stage, faults.kills,
+                lambda stage: busy_pids(records, stage), rng,
+            )
+            if args.broker
+            else RedisBroker(pipeline.app, main_server.client(BROKER_DB), queues)
+        )  # fmt: skip
+        start_workers(workers)
         note("workers ready: " + ", ".join(f"{s} (pid {w.pid})" for s, w in by_stage.items()))
 
         producer = subprocess.Popen(
@@ -525,15 +551,6 @@ def main(argv: list[str] | None = None) -> int:
              "--copies", str(args.copies), "--seed", str(seed), "--wait", f"{drain_timeout:g}"],
             cwd=ROOT, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=sys.stderr,
         )  # fmt: skip
-        records = pipeline.records
-        broker = main_server.client(BROKER_DB)
-        faults = Faults()
-
-        def sweep() -> str:
-            older = force_visibility_timeout(pipeline.app, SWEEP_VISIBILITY_TIMEOUT)
-            faults.sweeps += 1
-            faults.swept += older
-            return f"sweep: {older} message(s) unacknowledged for over 1s sent back"
 
         def all_done() -> bool:
             manifest = last_manifest(records)  # the producer writes it first thing
@@ -550,13 +567,13 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "kill": lambda: kill_pool_process(rng, by_stage, records, faults),
                 "restart": lambda: restart_lock_store(rng, lock_server, args.outage, faults),
-                "sweep": sweep,
+                "redeliver": broker.redeliver,
             },
             all_done,
         )
         note(
-            f"chaos over: {len(faults.kills)} kills, {len(faults.outages)} restarts, "
-            f"{faults.sweeps} sweeps; waiting for the producer"
+            f"chaos over: {faults.pool_kills} kills, {len(faults.outages)} restarts, "
+            f"{broker.fault}: {broker.summary()}; waiting for the producer"
         )
         if producer.wait(timeout=drain_timeout) != 0:
             note(f"producer exited {producer.returncode}")
@@ -564,12 +581,12 @@ def main(argv: list[str] | None = None) -> int:
         if manifest is None:
             raise RuntimeError("the producer wrote no manifest")
         run_requests = range(manifest["first"], manifest["first"] + manifest["count"])
-        drained = wait_drained(records, broker, run_requests, drain_timeout)
+        drained = wait_drained(records, broker.outstanding, run_requests, drain_timeout)
         found = find_violations(records, run_requests, faults)
         if not drained:
             found.violate("the run drained", f"not drained within {drain_timeout:g}s")
         print(f"chaos summary (seed {seed}):")
-        print(summary(manifest, faults, found, time.monotonic() - began))
+        print(summary(manifest, faults, broker, found, time.monotonic() - began))
         for check, problems in found.violations.items():
             print(f"VIOLATION: {check}:")
             for problem in problems[:20]:
@@ -577,11 +594,10 @@ def main(argv: list[str] | None = None) -> int:
             if len(problems) > 20:
                 print(f"    ... and {len(problems) - 20} more")
         status = 1 if found.violations else 2 if producer.returncode != 0 else 0
-        broker.close()
     except KeyboardInterrupt:
         note("interrupted")
         status = 130
-    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, OperationalError) as exc:
         note(f"failed: {exc}")
         status = 2
     finally:
@@ -589,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
             producer.kill()
             producer.wait(10)
         stop_workers(workers)
+        if broker is not None:
+            broker.close()  # on RabbitMQ: deletes this run's queues
         lock_server.stop()
         main_server.stop()
         if status != 0:

@@ -62,11 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def pipeline_env(urls: list[str], work_seconds: float) -> dict[str, str]:
+def pipeline_env(urls: list[str], work_seconds: float, queue_suffix: str = "") -> dict[str, str]:
     """The ``PIPELINE_*`` environment of the workers and the producer, from the broker, backend,
-    lock store and record URLs (in that order), with this checkout importable."""
+    lock store and record URLs (in that order), with this checkout importable; the stages'
+    queues are named ``<stage><queue_suffix>``."""
     broker_url, backend_url, lock_url, record_url = urls
     return {
+        "PIPELINE_QUEUE_SUFFIX": queue_suffix,
         "PIPELINE_BROKER_URL": broker_url,
         "PIPELINE_BACKEND_URL": backend_url,
         "PIPELINE_LOCK_URL": lock_url,
@@ -91,12 +93,14 @@ def worker_lock_options(lock_url: str, lock_ttl: float, on_duplicate: str) -> li
 def stage_workers(
     env: dict[str, str], lock_options: list[str], concurrency: int, log_dir: Path
 ) -> list[CeleryWorker]:
-    """One prefork worker per stage (``-Q <stage>``), not started yet; logs in ``log_dir``."""
+    """One prefork worker per stage (``-Q <stage><PIPELINE_QUEUE_SUFFIX>``), not started yet;
+    logs in ``log_dir``."""
+    suffix = env.get("PIPELINE_QUEUE_SUFFIX", "")
     return [
         CeleryWorker(
             APP,
             concurrency=concurrency,
-            queues=[stage],
+            queues=[f"{stage}{suffix}"],
             hostname=f"{stage}-{uuid.uuid4().hex[:6]}@%h",
             extra_args=["-E", "--without-mingle", "--without-gossip", *lock_options],
             env=env,
