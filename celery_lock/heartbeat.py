@@ -40,8 +40,9 @@ class _Release:
     lease: Lease
     success: bool
     done_ttl_ms: int
-    #: Called with whether the lease was still owned, once a try got an answer.
-    then: Callable[[bool], None] | None
+    #: Called with whether the lease was still owned (``None``: cannot tell, see
+    #: :meth:`LockStore.release`), once a try got an answer.
+    then: Callable[[bool | None], None] | None
 
 
 class Heartbeat:
@@ -144,7 +145,7 @@ class Heartbeat:
         *,
         success: bool,
         done_ttl_ms: int,
-        then: Callable[[bool], None] | None = None,
+        then: Callable[[bool | None], None] | None = None,
     ) -> None:
         """Try ``lease``'s release again on each beat, until a try gets an answer or the lease
         has surely lapsed (a whole TTL unconfirmed); then call ``then(owned)``, on the thread
@@ -291,8 +292,12 @@ class Heartbeat:
                 self._keep(release)
                 continue
             try:
+                # tried_before: a try of the call that failed may have run, its reply lost.
                 owned = store.release(
-                    lease, success=release.success, done_ttl_ms=release.done_ttl_ms
+                    lease,
+                    success=release.success,
+                    done_ttl_ms=release.done_ttl_ms,
+                    tried_before=True,
                 )
             except LockStoreUnavailableError:
                 self._keep(release)

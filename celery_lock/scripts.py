@@ -110,11 +110,26 @@ return 0
 
 # KEYS[1] - lock
 # KEYS[2] - done-marker of this task name
+# KEYS[3] - fence counter
 # ARGV[1] - token
 # ARGV[2] - done-marker TTL in milliseconds
 # ARGV[3] - outcome: "success" writes the done-marker, anything else does not
 # ARGV[4] - task id to record in the done-marker
-# return 1 if the token owned the lock (now deleted), 0 if the lease had been lost
+# ARGV[5] - the lease's fence
+# return 1 if the token owned the lock (now deleted)
+#      | 2 if it no longer does but this very release already deleted it, an earlier try whose
+#          reply was lost (success only): the done-marker names this task id, the lock is gone
+#          and no grant was made since this lease's. Only the lock's owner writes a marker, and
+#          every grant to another token moves the counter on, as one to a redelivered copy of
+#          the same message (same task id) that wrote the marker after this lease lapsed.
+#      | 3 if it no longer does, and an earlier try of this release may have deleted it: a
+#          failure's release leaves nothing to tell that from a loss; a success's marker names
+#          this task id but a grant was made since (another task of a shared scope after this
+#          release, or a redelivered copy of the same message after this lease lapsed)
+#      | 0 if the lease had been lost before any try of this release ran (success: the marker
+#          does not name this task id)
+# Only a lease not found holding the lock reads the marker and the counter: the usual release is
+# the same commands as ever.
 RELEASE = """
 local lock = redis.call('GET', KEYS[1])
 local mine = ARGV[1] .. ' '
@@ -125,7 +140,16 @@ if lock and string.sub(lock, 1, #mine) == mine then
     end
     return 1
 end
-return 0
+if ARGV[3] ~= 'success' then
+    return 3
+end
+if redis.call('GET', KEYS[2]) ~= ARGV[4] then
+    return 0
+end
+if not lock and redis.call('GET', KEYS[3]) == ARGV[5] then
+    return 2
+end
+return 3
 """
 
 

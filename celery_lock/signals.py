@@ -36,7 +36,8 @@ lock_deferred = Signal(
 )
 
 #: The body finished and the lease was released. Extra arguments: ``success`` (a done-marker
-#: was written), ``owned`` (``False`` when the lease had been lost before the release). Sent
+#: was written), ``owned`` (``False`` when the lease had been lost before the release; ``None``
+#: when a try whose reply was lost may have released it and nothing tells whether it did). Sent
 #: from the heartbeat thread for a release the lock store was unavailable for at first, which
 #: the heartbeat tried again; not sent for a release that never got an answer.
 lock_released = Signal(

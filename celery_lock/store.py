@@ -128,6 +128,9 @@ _SCRIPT_ERROR = re.compile(r"@user_script:\s*\d+:\s*(?:@user_script:\s*\d+:\s*)?
 # Integers a fence counter can hold: what a Lua number (a double) holds exactly, which the
 # acquire script checks (INCR itself would go on to 2**63 - 1).
 _FENCE_MAX = 2**53
+# Replies of the release script besides 1 (released) and 0 (lost): see scripts.RELEASE.
+_RELEASED_BEFORE = 2
+_MAYBE_RELEASED_BEFORE = 3
 # The pool size redis-py 5 to 7 gave a pool with no max_connections: no cap in practice.
 _UNBOUNDED_POOL = 2**31
 
@@ -520,30 +523,66 @@ class LockStore:
         )
         return _parse_acquire(reply, keys.lock)
 
-    def release(self, lease: Lease, *, success: bool, done_ttl_ms: int) -> bool:
+    def release(
+        self, lease: Lease, *, success: bool, done_ttl_ms: int, tried_before: bool = False
+    ) -> bool | None:
         """Delete the lock if ``lease`` still owns it, writing the done-marker on success.
 
-        Returns whether the lease was still owned; ``False`` means it was lost (or an earlier
-        try whose reply was lost already released it).
+        A try whose reply was lost (tried again here on transient errors) may have released it,
+        and a later try finds the lease no longer held. A success's later try tells by the
+        done-marker naming this task id with no grant made since this lease's (see
+        :data:`~celery_lock.scripts.RELEASE`); a failure leaves nothing to tell by.
+
+        Args:
+            lease: the lease to release.
+            success: write the done-marker (the body completed the request).
+            done_ttl_ms: how long the done-marker lives.
+            tried_before: an earlier call released ``lease`` and got no answer (the heartbeat
+                trying a release again): its tries may have run.
+
+        Returns:
+            ``True`` if the lease was still owned (released now, or by an earlier try whose
+            reply was lost), ``False`` if it had been lost, ``None`` if it is no longer held
+            and, after a try that may have run, nothing tells whether that try released it or
+            the lease had been lost.
+
+        Raises:
+            LockStoreUnavailableError: the store stayed unreachable (or refusing) for every try.
+            LockStateError: a key of the request holds something celery-lock did not write.
+            LockStoreError: any other error reply.
         """
         keys = lease.keys
-        args = [lease.token, done_ttl_ms, "success" if success else "failure", lease.holder.task_id]
+        args = [
+            lease.token,
+            done_ttl_ms,
+            "success" if success else "failure",
+            lease.holder.task_id,
+            lease.fence,
+        ]
         tries = 0
 
         def run() -> Any:
             nonlocal tries
             tries += 1
-            return self._evalsha(self.scripts.release, [keys.lock, keys.done], args)
+            return self._evalsha(self.scripts.release, [keys.lock, keys.done, keys.fence], args)
 
-        reply = self._call("release", {"lock": keys.lock, "done": keys.done}, keys.lock, run)
-        if not reply and tries > 1:
-            logger.warning(
-                "celery-lock: release of %s answered 'not owned' on try %d: an earlier try whose "
-                "reply was lost may have released it",
+        roles = {"lock": keys.lock, "done": keys.done, "fence": keys.fence}
+        reply = self._call("release", roles, keys.lock, run)
+        retried = tries > 1 or tried_before
+        if reply == _RELEASED_BEFORE:
+            logger.info(
+                "celery-lock: release of %s found it done by an earlier try whose reply was lost",
                 keys.lock,
-                tries,
             )
-        return bool(reply)
+            return True
+        if reply == _MAYBE_RELEASED_BEFORE and retried:
+            logger.info(
+                "celery-lock: release of %s found the lease no longer held: an earlier try "
+                "whose reply was lost may have released it, or the lease was lost",
+                keys.lock,
+            )
+            return None
+        return bool(reply == 1)
 
     def extend_all(self, leases: Sequence[Lease]) -> list[bool]:
         """Reset the TTL of every lease in one pipelined round trip; ``True`` where still owned.

@@ -695,9 +695,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
             raise
         self._released(lease, success=success, owned=owned)
 
-    def _released(self, lease: Lease, *, success: bool, owned: bool) -> None:
-        """Report a release that got an answer: ``owned``, whether the lease was still held."""
-        if not owned:
+    def _released(self, lease: Lease, *, success: bool, owned: bool | None) -> None:
+        """Report a release that got an answer: ``owned``, whether the lease was still held
+        (``None``: a try whose reply was lost may have released it, or it was lost)."""
+        if owned is False:
             logger.warning(
                 "celery-lock: lease on %s was no longer held by task %s at release",
                 lease.keys.lock,
@@ -705,7 +706,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             )
         signals.lock_released.send(
             sender=self, task_id=lease.holder.task_id, lock_key=lease.keys.lock,
-            success=success and owned, owned=owned,
+            success=success and owned is True, owned=owned,
         )  # fmt: skip
 
     def _lease_lost_callback(self, request: Any) -> Callable[[Lease], None]:

@@ -776,9 +776,11 @@ def test_acquire_whose_reply_timed_out_past_the_deadline_is_granted_on_retry(
     assert admin.get(KEYS.fence) == b"1"
 
 
-def test_release_whose_reply_is_lost_reports_not_owned(
+def test_release_whose_reply_is_lost_reports_owned_on_retry(
     proxy: ReplyDropper, admin: redis.Redis, logs: Records
 ) -> None:
+    """The release ran (lock deleted, done-marker written), its reply was lost: the retry finds
+    the lock gone, its own done-marker and no grant since its own, and reports it owned."""
     store = LockStore.from_url(proxy.url)
     try:
         stale = Lease(store, KEYS, new_token(), TTL_MS, 1, HOLDER)
@@ -787,13 +789,118 @@ def test_release_whose_reply_is_lost_reports_not_owned(
         assert acquire(store, token) == Acquired(fence=1)
         proxy.drop_reply_to(store.scripts.release.sha.encode())
         lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
-        assert store.release(lease, success=True, done_ttl_ms=60_000) is False
+        assert store.release(lease, success=True, done_ttl_ms=60_000) is True
     finally:
         store.client.close()
     assert proxy.dropped == 1
     assert not admin.exists(KEYS.lock)
     assert admin.get(KEYS.done) == b"task-1"  # the lost try did release, with the marker
-    assert logs.messages(logging.WARNING, "answered 'not owned' on try 2")
+    assert not logs.messages(logging.WARNING)
+
+
+def test_failure_release_whose_reply_is_lost_reports_owned_unknown(
+    proxy: ReplyDropper, admin: redis.Redis, logs: Records
+) -> None:
+    """A release without a done-marker leaves nothing behind: after a lost reply the retry
+    cannot tell its own earlier try from the lease's TTL running out, and says so (``None``)."""
+    store = LockStore.from_url(proxy.url)
+    try:
+        stale = Lease(store, KEYS, new_token(), TTL_MS, 1, HOLDER)
+        assert store.release(stale, success=False, done_ttl_ms=1) is False  # loads the script
+        token = new_token()
+        assert acquire(store, token) == Acquired(fence=1)
+        proxy.drop_reply_to(store.scripts.release.sha.encode())
+        lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+        assert store.release(lease, success=False, done_ttl_ms=60_000) is None
+    finally:
+        store.client.close()
+    assert proxy.dropped == 1
+    assert not admin.exists(KEYS.lock)
+    assert not admin.exists(KEYS.done)
+    assert not logs.messages(logging.WARNING)
+    assert logs.messages(logging.INFO, "may have released it")
+
+
+@pytest.mark.parametrize(("lost_reply", "owned"), [(False, False), (True, None)])
+def test_release_after_a_redelivered_copy_completed_is_not_reported_owned(
+    proxy: ReplyDropper, admin: redis.Redis, lost_reply: bool, owned: bool | None
+) -> None:
+    """The lease lapsed, a redelivered copy of the same message (same task id) took the request
+    and wrote the done-marker: a marker naming this task id is not this lease's release. After
+    a lost reply the retry cannot tell that from this release's first try having run before
+    another task of a shared scope took the lock: ``None``, never ``True``."""
+    store = LockStore.from_url(proxy.url)
+    try:
+        token = new_token()
+        assert acquire(store, token) == Acquired(fence=1)
+        admin.delete(KEYS.lock)  # the lease's TTL ran out
+        again = new_token()
+        assert acquire(store, again) == Acquired(fence=2)
+        redelivered = Lease(store, KEYS, again, TTL_MS, 2, HOLDER)
+        assert store.release(redelivered, success=True, done_ttl_ms=60_000) is True
+        if lost_reply:
+            proxy.drop_reply_to(store.scripts.release.sha.encode())
+        lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+        assert store.release(lease, success=True, done_ttl_ms=60_000) is owned
+    finally:
+        store.client.close()
+    assert proxy.dropped == int(lost_reply)
+    assert admin.get(KEYS.done) == b"task-1"
+
+
+def test_release_whose_reply_is_lost_after_a_shared_scope_took_the_lock_is_not_lost(
+    proxy: ReplyDropper, lock_server: RedisServer, admin: redis.Redis
+) -> None:
+    """The release ran, with its marker, and another task of the shared scope took the lock
+    before the retry: the retry cannot tell this from a loss, and does not report one."""
+    store, direct = LockStore.from_url(proxy.url), LockStore.from_url(lock_server.url)
+    other_keys = RequestKeys.build("celery-lock", "shop.process", "42", "shop.ship")
+    assert other_keys.lock == KEYS.lock
+    assert other_keys.done != KEYS.done
+    try:
+        stale = Lease(store, KEYS, new_token(), TTL_MS, 1, HOLDER)
+        assert store.release(stale, success=False, done_ttl_ms=1) is False  # loads the script
+        token = new_token()
+        assert acquire(store, token) == Acquired(fence=1)
+        # The lost reply's connection is cut only after the other task's grant: the retry
+        # finds the lock held by it.
+        proxy.drop_reply_to(store.scripts.release.sha.encode())
+        original = store._evalsha
+        grants: list[Any] = []
+
+        def evalsha_then_other_grants(*args: Any) -> Any:
+            try:
+                return original(*args)
+            finally:
+                if not grants:
+                    other = Holder("task-2", "shop.ship", "host-b", 202)
+                    grants.append(acquire(direct, new_token(), other_keys, other))
+
+        store._evalsha = evalsha_then_other_grants  # type: ignore[method-assign]
+        lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+        assert store.release(lease, success=True, done_ttl_ms=60_000) is None
+    finally:
+        store.client.close()
+        direct.client.close()
+    assert grants == [Acquired(fence=2)]
+    assert proxy.dropped == 1
+    assert admin.get(KEYS.done) == b"task-1"
+
+
+def test_release_tried_again_after_a_call_without_answer_cannot_tell_a_lapse(
+    store: LockStore, admin: redis.Redis
+) -> None:
+    """The heartbeat tries again a release whose every try failed, some perhaps run: a failure's
+    release finding the lock gone is owned or lost, nobody can tell (``tried_before``)."""
+    token = new_token()
+    assert acquire(store, token) == Acquired(fence=1)
+    admin.delete(KEYS.lock)  # an earlier call's try ran, or the TTL ran out
+    lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+    assert store.release(lease, success=False, done_ttl_ms=60_000) is False
+    assert store.release(lease, success=False, done_ttl_ms=60_000, tried_before=True) is None
+    # A success's release has its marker to tell by: none, so this lease never released.
+    assert store.release(lease, success=True, done_ttl_ms=60_000, tried_before=True) is False
+    assert not admin.exists(KEYS.done)
 
 
 def test_task_whose_release_reply_is_lost_still_succeeds(
@@ -812,8 +919,8 @@ def test_task_whose_release_reply_is_lost_still_succeeds(
     assert result.get(timeout=TIMEOUT) == 7
     assert result.state == "SUCCESS"
     assert proxy.dropped == 1
-    assert [r["owned"] for r in released] == [True, False]
-    assert logs.messages(logging.WARNING, "no longer held by task")
+    assert [(r["owned"], r["success"]) for r in released] == [(True, True), (True, True)]
+    assert not logs.messages(logging.WARNING)
     keys = tasks["work"].request_keys((7,), {})
     assert admin.get(keys.done) == result.id.encode()
     assert not admin.exists(keys.lock)
