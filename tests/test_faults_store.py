@@ -776,11 +776,9 @@ def test_acquire_whose_reply_timed_out_past_the_deadline_is_granted_on_retry(
     assert admin.get(KEYS.fence) == b"1"
 
 
-def test_release_whose_reply_is_lost_reports_owned_on_retry(
-    proxy: ReplyDropper, admin: redis.Redis, logs: Records
-) -> None:
-    """The release ran (lock deleted, done-marker written), its reply was lost: the retry finds
-    the lock gone, its own done-marker and no grant since its own, and reports it owned."""
+def _release_losing_the_first_reply(proxy: ReplyDropper, *, success: bool) -> bool | None:
+    """Grant a lease and release it through ``proxy``, which drops the release's first reply
+    after the server ran it; return what the release reports after its retry."""
     store = LockStore.from_url(proxy.url)
     try:
         stale = Lease(store, KEYS, new_token(), TTL_MS, 1, HOLDER)
@@ -789,9 +787,17 @@ def test_release_whose_reply_is_lost_reports_owned_on_retry(
         assert acquire(store, token) == Acquired(fence=1)
         proxy.drop_reply_to(store.scripts.release.sha.encode())
         lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
-        assert store.release(lease, success=True, done_ttl_ms=60_000) is True
+        return store.release(lease, success=success, done_ttl_ms=60_000)
     finally:
         store.client.close()
+
+
+def test_release_whose_reply_is_lost_reports_owned_on_retry(
+    proxy: ReplyDropper, admin: redis.Redis, logs: Records
+) -> None:
+    """The release ran (lock deleted, done-marker written), its reply was lost: the retry finds
+    the lock gone, its own done-marker and no grant since its own, and reports it owned."""
+    assert _release_losing_the_first_reply(proxy, success=True) is True
     assert proxy.dropped == 1
     assert not admin.exists(KEYS.lock)
     assert admin.get(KEYS.done) == b"task-1"  # the lost try did release, with the marker
@@ -803,17 +809,7 @@ def test_failure_release_whose_reply_is_lost_reports_owned_unknown(
 ) -> None:
     """A release without a done-marker leaves nothing behind: after a lost reply the retry
     cannot tell its own earlier try from the lease's TTL running out, and says so (``None``)."""
-    store = LockStore.from_url(proxy.url)
-    try:
-        stale = Lease(store, KEYS, new_token(), TTL_MS, 1, HOLDER)
-        assert store.release(stale, success=False, done_ttl_ms=1) is False  # loads the script
-        token = new_token()
-        assert acquire(store, token) == Acquired(fence=1)
-        proxy.drop_reply_to(store.scripts.release.sha.encode())
-        lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
-        assert store.release(lease, success=False, done_ttl_ms=60_000) is None
-    finally:
-        store.client.close()
+    assert _release_losing_the_first_reply(proxy, success=False) is None
     assert proxy.dropped == 1
     assert not admin.exists(KEYS.lock)
     assert not admin.exists(KEYS.done)
