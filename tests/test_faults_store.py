@@ -781,15 +781,22 @@ def _release_losing_the_first_reply(proxy: ReplyDropper, *, success: bool) -> bo
     after the server ran it; return what the release reports after its retry."""
     store = LockStore.from_url(proxy.url)
     try:
-        stale = Lease(store, KEYS, new_token(), TTL_MS, 1, HOLDER)
-        assert store.release(stale, success=False, done_ttl_ms=1) is False  # loads the script
-        token = new_token()
-        assert acquire(store, token) == Acquired(fence=1)
+        token = _granted_with_the_release_script_loaded(store)
         proxy.drop_reply_to(store.scripts.release.sha.encode())
         lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
         return store.release(lease, success=success, done_ttl_ms=60_000)
     finally:
         store.client.close()
+
+
+def _granted_with_the_release_script_loaded(store: LockStore) -> str:
+    """Load the release script (a release of a lease never granted) and grant ``KEYS`` fence 1;
+    return the grant's token. The proxy can then drop the release's reply by its SHA."""
+    stale = Lease(store, KEYS, new_token(), TTL_MS, 1, HOLDER)
+    assert store.release(stale, success=False, done_ttl_ms=1) is False
+    token = new_token()
+    assert acquire(store, token) == Acquired(fence=1)
+    return token
 
 
 def test_release_whose_reply_is_lost_reports_owned_on_retry(
@@ -854,10 +861,7 @@ def test_release_whose_reply_is_lost_after_a_shared_scope_took_the_lock_is_not_l
     assert other_keys.lock == KEYS.lock
     assert other_keys.done != KEYS.done
     try:
-        stale = Lease(store, KEYS, new_token(), TTL_MS, 1, HOLDER)
-        assert store.release(stale, success=False, done_ttl_ms=1) is False  # loads the script
-        token = new_token()
-        assert acquire(store, token) == Acquired(fence=1)
+        token = _granted_with_the_release_script_loaded(store)
         # The lost reply's connection is cut only after the other task's grant: the retry
         # finds the lock held by it.
         proxy.drop_reply_to(store.scripts.release.sha.encode())

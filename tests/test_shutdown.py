@@ -177,24 +177,19 @@ def state(app: Celery, task_id: str) -> str:
     return str(app.backend.get_task_meta(task_id)["status"])
 
 
-def test_a_soft_time_limit_fails_the_task_and_releases_without_a_done_marker(
-    start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
-) -> None:
+@pytest.mark.parametrize(
+    "limit",
+    # A soft limit raises in the body. At a hard one billiard SIGTERMs the pool process
+    # (SIGKILL 0.1 s later): the SIGTERM's exception runs the body's ``finally``.
+    [{"soft_time_limit": 1}, {"time_limit": 2}],
+    ids=["soft", "hard"],
+)
+def test_a_time_limit_fails_the_task_and_releases_without_a_done_marker(
+    start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis,
+    limit: dict[str, int],
+) -> None:  # fmt: skip
     start_worker()
-    result = producer.send_task("storm.hold", args=(1,), soft_time_limit=1)
-    wait_for("FAILURE", lambda: state(producer, result.id) == "FAILURE", 20)
-    wait_for("the lease to be released", lambda: not locks.exists(HOLD_KEY), PROMPTLY)
-    assert not locks.exists(HOLD_DONE)
-    assert started_fences(records) == [1]
-
-
-def test_a_hard_time_limit_releases_the_lease_of_the_killed_body(
-    start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
-) -> None:
-    """billiard SIGTERMs the pool process (SIGKILL 0.1 s later): the SIGTERM's exception runs
-    the body's ``finally``. Celery acks the message as FAILURE."""
-    start_worker()
-    result = producer.send_task("storm.hold", args=(1,), time_limit=2)
+    result = producer.send_task("storm.hold", args=(1,), **limit)
     wait_for("FAILURE", lambda: state(producer, result.id) == "FAILURE", 20)
     wait_for("the lease to be released", lambda: not locks.exists(HOLD_KEY), PROMPTLY)
     assert not locks.exists(HOLD_DONE)
