@@ -410,8 +410,10 @@ def _setting(field: str, value: Any, name: str, option: str | None) -> Any:
         raise click.UsageError(f"{exc}{hint}") from exc
 
 
-def _store(app: Celery, options: _Options, app_given: bool = True) -> tuple[str, str]:
-    """The lock store URL and key prefix to use: the options', else the app's.
+def _store(app: Celery, options: _Options, app_given: bool = True) -> tuple[str, str, str]:
+    """The lock store URL and key prefix to use, the options', else the app's, and the name of
+    what the URL came from, for errors about it (``--url``, or the setting as written; its
+    lower-case name where the broker URL stands in for it).
 
     Only these two settings are read, each checked on its own: another invalid celery-lock
     setting (say, a heartbeat interval above the TTL) is the worker's concern, not this
@@ -428,12 +430,13 @@ def _store(app: Celery, options: _Options, app_given: bool = True) -> tuple[str,
             else _setting("key_prefix", conf_prefix, name, "--prefix")
         )
     if options.url is not None:
-        return _setting("redis_url", options.url, "--url", None), prefix
+        return _setting("redis_url", options.url, "--url", None), prefix, "--url"
     conf_url, name = conf_value(conf, "celery_lock_redis_url")
     if conf_url is not None:
         conf_url = _setting("redis_url", conf_url, name, "--url")
     try:
-        return lock_store_url(app, LockSettings(redis_url=conf_url)), prefix
+        url = lock_store_url(app, LockSettings(redis_url=conf_url))
+        return url, prefix, name if conf_url is not None else "celery_lock_redis_url"
     except ConfigurationError as exc:
         # Without -A, Celery's default app has no settings to read: suggest it too.
         hint = "or pass --url" if app_given else "or pass -A with your app, or --url"
@@ -444,7 +447,7 @@ def _admin(ctx: click.Context) -> LockAdmin:
     app: Celery = ctx.find_root().obj.app
     options = ctx.find_object(_Options)
     assert options is not None
-    url, prefix = _store(app, options, app_given=bool(ctx.find_root().params.get("app")))
+    url, prefix, setting = _store(app, options, bool(ctx.find_root().params.get("app")))
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
         reach(client)  # not PING, which a user allowed only what the scripts need may not send
@@ -456,7 +459,6 @@ def _admin(ctx: click.Context) -> LockAdmin:
         raise click.ClickException(f"cannot reach the lock store: {exc}") from exc
     # A node of a cluster of several masters holds a share of the keys: ls would list its
     # leases alone, and show and forget miss what the other masters hold.
-    setting = "--url" if options.url is not None else _url_setting(app)
     try:
         check_single_endpoint(client, setting)
     except ConfigurationError as exc:
@@ -466,13 +468,6 @@ def _admin(ctx: click.Context) -> LockAdmin:
     terminal = sys.stderr.isatty()
     progress = _on_stderr if terminal else None
     return LockAdmin(client, prefix, progress, options.progress_every)
-
-
-def _url_setting(app: Celery) -> str:
-    """The name of the app's lock store URL setting, as written (the lower-case one where
-    neither is: the broker URL stands in for it)."""
-    value, name = conf_value(app.conf, "celery_lock_redis_url")
-    return name if value is not None else "celery_lock_redis_url"
 
 
 def _on_stderr(line: str) -> None:
