@@ -56,17 +56,21 @@ return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
 """
 
 #: The grant's steps in as few and as cheap Redis calls as they go: EXISTS for the done-marker,
-#: the fence, then SET NX for the lease; no re-entrance and no holder reply, so *not* what the
-#: contract asks of a grant. Only its server time is read: is there a cheaper way to do the work?
+#: the fence (SET NX PX of a new counter at the clock, ARGV[5], else INCR), then SET NX for the
+#: lease; no re-entrance and no holder reply, so *not* what the contract asks of a grant. Only
+#: its server time is read: is there a cheaper way to do the work?
 LEAN_ACQUIRE = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
-local fence = redis.call('INCR', KEYS[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
+local fence = ARGV[5]
+if not redis.call('SET', KEYS[2], fence, 'NX', 'PX', ARGV[4]) then
+    fence = redis.call('INCR', KEYS[2])
+    redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
 if not redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[3], 'NX', 'PX', ARGV[2])
 then
     return -1
 end
-return fence
+return tonumber(fence)
 """
 #: The release's steps likewise: compare the token by a fixed-length prefix, delete, mark done.
 LEAN_RELEASE = """
@@ -190,9 +194,10 @@ def _scripts_by_evalsha(
         def cycle(n: int) -> None:
             keys = RequestKeys.build("bench", tag, str(n), "bench.cycle")
             token = new_token()
-            described = HOLDER.describe(int(time.time() * 1000))
+            now_us = time.time_ns() // 1000
+            described = HOLDER.describe(now_us // 1000)
             send("EVALSHA", acquire, 3, keys.lock, keys.fence, keys.done, token, TTL_MS,
-                 described, DONE_TTL_MS)  # fmt: skip
+                 described, DONE_TTL_MS, now_us)  # fmt: skip
             send("EVALSHA", release, 2, keys.lock, keys.done, token, DONE_TTL_MS, "success",
                  HOLDER.task_id)  # fmt: skip
 

@@ -212,9 +212,10 @@ class LockSettings:
 
         Strictly longer than the lease: a holder that pauses past its lease stops beating, so
         its lease and a counter as long-lived as the lease would lapse at the same moment, and
-        the next grant would get fence 1 again, below the fence the paused holder still writes
-        with. So a counter outlives a lapsed lease by at least one more lease TTL, and by at
-        least the done TTL."""
+        the next grant would start a new counter from its own clock, below the fence the paused
+        holder still writes with should that clock be behind the holder's. So a counter
+        outlives a lapsed lease by at least one more lease TTL, and by at least the done
+        TTL."""
         return self.ttl_ms + max(self.done_ttl_ms, self.ttl_ms)
 
     @cached_property

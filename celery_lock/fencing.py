@@ -46,12 +46,18 @@ The same pattern by hand, for any SQL store::
     UPDATE orders SET status = :status, fence = :fence
      WHERE id = :id AND (fence IS NULL OR fence <= :fence)
 
+Fences are large: a grant that creates a request's counter starts it at the granting process's
+clock in microseconds since the epoch (16 digits), so that a counter that expired, was evicted
+or was lost with a restart starts again above the fences it gave. Keep them in a 64-bit column
+(``BIGINT``); they stay below :data:`MAX_FENCE`.
+
 What fencing does not give: a fence only orders grants **of one request** (the counter is per
 request key), so keep one fenced record per request. The counter lives at least the lease TTL
 plus the longer of the lease TTL and the done TTL (``celery_lock_done_ttl``) after the last
-grant or heartbeat; once it expires (or is evicted), fences start again from 1, so a fenced
-record should not outlive it (``ttl=``). Only stores that check the fence are protected; a
-stale holder can still send an e-mail or write to a store that does not. And
+grant or heartbeat; a new one, started from a clock that is behind the old counter's by more
+than that, would give smaller fences than the old: keep the workers' clocks in sync. Only
+stores that check the fence are protected; a stale holder can still send an e-mail or write to
+a store that does not. And
 :meth:`celery_lock.LockedTask.check_lock` before a write narrows the window but cannot close it:
 the process can pause between the check and the write.
 

@@ -31,6 +31,13 @@ __all__ = ["ACQUIRE", "EXTEND", "RELEASE", "Scripts"]
 #           @read/@write/@scripting can run this)
 # ARGV[4] - fence counter TTL in milliseconds: the counter is made to live at least that long
 #           (never shortened, as by EXTEND; 0 leaves it alone)
+# ARGV[5] - fence seed: microseconds since the epoch by the caller's clock, the first fence of a
+#           counter this grant creates (0: start at 1). A counter that lapsed (or was evicted, or
+#           lost with a restart) was created at least its TTL ago and moved on by one per grant,
+#           far less than a microsecond's worth each: a new counter started from the clock begins
+#           above every fence the old one gave, unless the two callers' clocks differ by more than
+#           the old counter lived. Not read from TIME: see ARGV[3], and the script stays
+#           deterministic, so no replica runs it differently.
 # return <fence>                              -- granted (an integer reply, below 2^53)
 #      | {"done", <task id that completed it>}
 #      | {"held", "<fence> <holder>", <pttl>}  -- the holder's token is never returned
@@ -61,22 +68,33 @@ if lock then
     end
     return {'held', string.match(lock, '^%S* (.*)$') or lock, redis.call('PTTL', KEYS[1])}
 end
-local fence = redis.call('INCR', KEYS[2])
-if fence >= 9007199254740992 then
-    return redis.error_reply('ERR fence counter past 2^53')
-end
 local fence_ttl = tonumber(ARGV[4])
-if fence_ttl > 0 then
-    if fence == 1 then  -- a counter INCR just created: no TTL to compare (one call fewer on
-        redis.call('PEXPIRE', KEYS[2], ARGV[4])  -- a new request's grant, the usual one)
-    else  -- as EXTEND: never shortened (another task of the scope may want it longer)
-        local left = redis.call('PTTL', KEYS[2])  -- -1: kept for ever, as it was
-        if left >= 0 and left < fence_ttl then
+local fence, text = false, ARGV[5]
+if text ~= '0' then       -- a new counter starts at the clock, with its TTL: one call for a new
+    if fence_ttl > 0 then  -- request's grant, the usual one
+        fence = redis.call('SET', KEYS[2], text, 'NX', 'PX', ARGV[4])
+    else
+        fence = redis.call('SET', KEYS[2], text, 'NX')
+    end
+    fence = fence and tonumber(text)
+end
+if not fence then  -- the counter lives (or holds what INCR refuses: its error is the reply)
+    fence = redis.call('INCR', KEYS[2])
+    if fence >= 9007199254740992 then
+        return redis.error_reply('ERR fence counter past 2^53')
+    end
+    if fence_ttl > 0 then
+        if fence == 1 then  -- a counter INCR just created (no seed): no TTL to compare
             redis.call('PEXPIRE', KEYS[2], ARGV[4])
+        else  -- as EXTEND: never shortened (another task of the scope may want it longer)
+            local left = redis.call('PTTL', KEYS[2])  -- -1: kept for ever, as it was
+            if left >= 0 and left < fence_ttl then
+                redis.call('PEXPIRE', KEYS[2], ARGV[4])
+            end
         end
     end
+    text = string.format('%d', fence)
 end
-local text = string.format('%d', fence)
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. text .. ' ' .. ARGV[3], 'PX', ARGV[2])
 return fence
 """
@@ -87,7 +105,7 @@ return fence
 # ARGV[2] - lease TTL in milliseconds (set, not added)
 # ARGV[3] - fence counter TTL in milliseconds: the counter is made to live at least that long
 #           (never shortened; 0 leaves it alone), so a run that outlasts the TTL the grant gave
-#           it cannot see its counter expire and the next grant's fence start again at 1
+#           it cannot see its counter expire and the next grant's fence start from a clock
 # return 1 if the token still owns the lock and its TTL was reset, 0 if the lease is lost
 # redis.replicate_commands() first: see ACQUIRE.
 EXTEND = """

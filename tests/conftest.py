@@ -255,6 +255,19 @@ def command_calls(client: redis.Redis) -> Counter[str]:
     return Counter({name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()})
 
 
+def granted(outcome: object) -> int:
+    """The fence of a grant; fails the test on any other outcome. A new request's first fence
+    is the granting process's clock in microseconds, so a test compares fences with each other,
+    not with a number."""
+    assert isinstance(outcome, Acquired), outcome
+    return outcome.fence
+
+
+def consecutive(fences: list[int]) -> bool:
+    """Each fence one more than the one before: grants of one counter, in order."""
+    return bool(fences) and fences == list(range(fences[0], fences[0] + len(fences)))
+
+
 def hold(
     store: LockStore, task: Any, request_idx: Any, task_id: str, task_name: str | None = None
 ) -> Lease:

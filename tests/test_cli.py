@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import granted
 
 from celery_lock.cli import LockAdmin
 from celery_lock.config import LockSettings
@@ -103,12 +104,12 @@ def test_ls_lists_a_foreign_value_under_a_lock_key_so_it_can_be_released(
 
 
 def test_ls_json_is_machine_readable(worker_env: dict[str, str], store: LockStore) -> None:
-    take(store, 7, "task-7")
+    taken = take(store, 7, "task-7")
     done = celery_lock_cli(worker_env, "--json", "ls")
     [lease] = json.loads(done.stdout)
     assert lease["key"] == "celery-lock:{storm.process:7}:lock"
     assert lease["task_id"] == "task-7"
-    assert lease["fence"] == 1
+    assert lease["fence"] == taken.fence
     assert 0 < lease["ttl_left_s"] <= 30
     assert lease["age_s"] >= 0
 
@@ -123,11 +124,11 @@ def test_ls_scans_past_one_batch(worker_env: dict[str, str], store: LockStore) -
 def test_show_reports_lease_fence_and_done_markers(
     worker_env: dict[str, str], store: LockStore
 ) -> None:
-    done_then_held_by_the_next_stage(store, 5)
+    completed = done_then_held_by_the_next_stage(store, 5)
     done = celery_lock_cli(worker_env, "--json", "show", "storm.process:5")
     info = json.loads(done.stdout)
     assert info["lease"]["task_id"] == "task-6"
-    assert info["fence"] == 2
+    assert info["fence"] == completed.fence + 1
     assert info["done"]["storm.process"]["task_id"] == "task-5"
     text = celery_lock_cli(worker_env, "show", "celery-lock:{storm.process:5}:lock").stdout
     assert "holder    task-6 (storm.next) on host-a:4242" in text
@@ -510,7 +511,7 @@ def test_a_lease_and_a_done_marker_without_a_ttl_show_no_ttl(
     store.client.persist(lease.keys.done)
     listed = celery_lock_cli(worker_env, "ls")
     [row] = listed.stdout.splitlines()[1:-1]
-    assert row.split()[-3:] == ["no", "TTL", "2"]
+    assert row.split()[-3:] == ["no", "TTL", str(lease.fence + 1)]
     shown = celery_lock_cli(worker_env, "show", "storm.process:3").stdout
     assert "s, no TTL\n" in shown
     assert "done      storm.process by task-3 (no TTL)" in shown
@@ -753,23 +754,22 @@ def test_forget_keeps_the_fence_counter_as_long_as_the_done_marker(
     keys = RequestKeys.build("celery-lock", "storm.process", "6", "storm.process")
     holder = Holder("task-1", "storm.process", "h", 1)
     token = new_token()
-    outcome = store.acquire(keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms)
-    assert outcome == Acquired(1)
-    lease = Lease(store, keys, token, settings.ttl_ms, 1, holder, settings.fence_ttl_ms)
+    fence = granted(store.acquire(keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms))
+    lease = Lease(store, keys, token, settings.ttl_ms, fence, holder, settings.fence_ttl_ms)
     time.sleep(settings.interval)  # the body runs: one heartbeat, as the worker's would beat
     assert store.extend_all([lease]) == [True]
     time.sleep(1.5)  # and a while more before the body returns
     assert store.release(lease, success=True, done_ttl_ms=settings.done_ttl_ms)
     # A counter that lived max(done TTL, lease TTL) from the beat would lapse 1.5 s before the
-    # marker: a forget in those 1.5 s would let the next grant start again at fence 1.
+    # marker: a forget in those 1.5 s would let the next grant start a new counter, from its
+    # own clock rather than from this one.
     # (Compared directly, so how long the CLI takes to start does not matter.)
     assert store.client.pttl(keys.fence) >= store.client.pttl(keys.done) > 0
     done = celery_lock_cli(worker_env, "forget", "storm.process:6")
     assert done.stdout.strip() == f"forgot {keys.done}", done.stderr
     next_holder = Holder("task-2", "storm.process", "h", 1)
     again = store.acquire(keys, new_token(), settings.ttl_ms, next_holder, settings.fence_ttl_ms)
-    assert isinstance(again, Acquired)
-    assert again.fence > 1
+    assert again == Acquired(fence + 1)
 
 
 def on_a_terminal(env: dict[str, str], *args: str) -> tuple[int, str, str]:

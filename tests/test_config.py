@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from conftest import granted
 from redis.crc import key_slot
 
 from celery_lock import ConfigurationError, LockedTask, LockSettings, LockStoreError, checks, config
@@ -240,9 +241,9 @@ def test_a_lock_store_pool_of_one_connection_is_refused_saying_why(
             lock_redis.script_load(script.script)
         keys = RequestKeys.build("celery-lock", "config_tests.t", "7", "config_tests.t")
         holder, token = Holder("id-1", "config_tests.t", "h", 1), new_token()
-        assert store.acquire(keys, token, 60_000, holder, 60_000) == Acquired(fence=1)
+        fence = granted(store.acquire(keys, token, 60_000, holder, 60_000))
         with pytest.raises(redis.ConnectionError, match="Too many connections"):
-            store.extend_all([Lease(store, keys, token, 60_000, 1, holder)])
+            store.extend_all([Lease(store, keys, token, 60_000, fence, holder)])
     finally:
         store.client.close()
     with pytest.raises(ConfigurationError) as raised:

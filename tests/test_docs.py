@@ -85,6 +85,8 @@ DURATION = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?s\b")
 LOG_STAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+")
 POOL_PROCESS = re.compile(r"ForkPoolWorker-\d+")
 JSON_SECONDS = re.compile(r'("(?:age_s|ttl_left_s)": )-?[\d.]+')
+# A new request's first fence is the clock in microseconds: 16 digits, until the year 2286.
+CLOCK_FENCE = re.compile(r"\b1\d{15}\b")
 DOCS_REDIS = "localhost:6379"
 
 
@@ -162,8 +164,10 @@ def ids(blocks: list[Block]) -> list[str]:
 
 
 def normalize(text: str) -> str:
-    """Output as compared: task ids, durations and runs of spaces do not count."""
+    """Output as compared: task ids, fences started from the clock, durations and runs of
+    spaces do not count."""
     text = UUID.sub("<id>", text)
+    text = CLOCK_FENCE.sub("<fence>", text)
     text = LOG_STAMP.sub("<when>", text)
     text = POOL_PROCESS.sub("ForkPoolWorker-<n>", text)
     text = JSON_SECONDS.sub(r"\1<n>", text)
@@ -897,3 +901,5 @@ def test_output_normalization_keeps_what_matters() -> None:
     assert normalize("a  1c5a5f06-3b7e-4d0a-9a51-0f6d3c7b9e21   12.3s\n") == "a <id> <t>"
     assert normalize('"age_s": 1.5,') == '"age_s": <n>,'
     assert normalize("1 lease(s) held, fence 3") == "1 lease(s) held, fence 3"
+    assert normalize("with fence 1795749525035218.") == "with fence <fence>."
+    assert normalize("port 17957495250352180") == "port 17957495250352180"

@@ -45,9 +45,9 @@ def test_basic_example_runs_the_request_once() -> None:
     out = done.stdout
     assert "private redis-server on port" in out
     assert "worker ready: celery -A basic worker -P prefork -c 2" in out
-    assert len(re.findall(r"^  copy \d: SUCCESS: ran the body with fence 1$", out, re.M)) == 1
+    [fence] = re.findall(r"^  copy \d: SUCCESS: ran the body with fence (\d+)$", out, re.M)
     assert len(re.findall(r"^  copy \d: SKIPPED, reason '(running|done)'", out, re.M)) == 2
-    assert "request 42: state 'processed', fence 1, body ran 1 time(s)" in out
+    assert f"request 42: state 'processed', fence {fence}, body ran 1 time(s)" in out
     assert "OK: request 42 ran once; the other 2 copies were SKIPPED" in out
 
 

@@ -43,7 +43,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController
-from conftest import command_calls, settle, wait_for
+from conftest import command_calls, granted, settle, wait_for
 from recording import recording
 from redis.backoff import NoBackoff
 from redis.credentials import CredentialProvider
@@ -364,7 +364,7 @@ def test_busy_reply_is_transient_not_state(lock_server: RedisServer, store: Lock
         probe.close()
         admin.close()
     assert not runner.is_alive()
-    assert acquire(store, new_token()) == Acquired(fence=1)  # served again once it is over
+    granted(acquire(store, new_token()))  # served again once it is over
 
 
 def _bgsave(admin: redis.Redis, status: str) -> None:
@@ -411,8 +411,8 @@ def test_misconf_after_a_failed_save_is_transient_and_clears_with_a_good_save(
     connection idle for its interval) are both refusals for now."""
     token = new_token()
     # A TTL no test run outlasts: the heartbeat below must not lose it for being unconfirmed.
-    assert store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS) == Acquired(fence=1)
-    lease = Lease(store, KEYS, token, 600_000, 1, HOLDER)
+    fence = granted(store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS))
+    lease = Lease(store, KEYS, token, 600_000, fence, HOLDER)
     # A health check before every command: each comes more than a nanosecond after the last.
     checked = LockStore(
         redis.Redis.from_url(
@@ -437,7 +437,7 @@ def test_misconf_after_a_failed_save_is_transient_and_clears_with_a_good_save(
             store.release(lease, success=True, done_ttl_ms=60_000)
 
         repair_saves(admin, dump)
-        assert acquire(store, new_token(), other) == Acquired(fence=1)
+        fence = granted(acquire(store, new_token(), other))
         assert checked.extend_all([lease]) == [True]
         assert store.extend_all([lease]) == [True]
         assert store.release(lease, success=True, done_ttl_ms=60_000) is True
@@ -508,12 +508,14 @@ def test_store_down_defers_in_prefork_worker_then_each_request_runs_once(
     assert {d["reason"] for d in recorded(store_env, "store:deferred")} == {"store-unavailable"}
     assert {copy.state for copy in copies} <= {"PENDING", "RETRY"}
 
+    back_us = time.time_ns() // 1000
     lock_server.start()  # same port, empty: the lease state of the outage never existed
     back = time.monotonic()
     assert settle(copies) == Counter({"SUCCESS": 4, SKIPPED: 4})
     runs = [run for run in recorded(store_env, "store:runs") if run["request_idx"] >= 0]
     assert sorted(run["request_idx"] for run in runs) == list(requests)
-    assert all(run["fence"] == 1 and run["deferrals"] >= 2 for run in runs)
+    # Locked, each by a fence counter the empty store started from the clock once it was back.
+    assert all(run["fence"] >= back_us and run["deferrals"] >= 2 for run in runs)
     log = worker.log()
     assert "deferring task" in log
     assert "(fail closed)" in log
@@ -558,9 +560,11 @@ def test_fail_closed_in_process_defers_with_reason_and_runs_once_when_back(
     assert bodies.runs == []
     assert result.state == "RETRY"
     assert {d["reason"] for d in deferred} == {"store-unavailable"}
+    back_us = time.time_ns() // 1000
     lock_server.start()
     assert result.get(timeout=TIMEOUT) == 7
-    assert [run["fence"] for run in bodies.runs] == [1]
+    (run,) = bodies.runs
+    assert run["fence"] >= back_us  # locked, by a counter started once the store was back
     countdowns = [round(d["countdown"], 2) for d in deferred]
     assert countdowns[1] > countdowns[0]  # backs off: no lease TTL caps the wait
 
@@ -580,9 +584,11 @@ def test_a_task_defers_while_saves_fail_and_runs_once_a_save_succeeds(
     assert result.state == "RETRY"  # not FAILURE
     assert deferred
     assert bodies.runs == []
+    repaired_us = time.time_ns() // 1000
     repair_saves(admin, dump)
     assert result.get(timeout=TIMEOUT) == 7
-    assert [run["fence"] for run in bodies.runs] == [1]
+    (run,) = bodies.runs
+    assert run["fence"] >= repaired_us  # locked, by a grant made once saves succeeded
     assert {d["reason"] for d in deferred} == {"store-unavailable"}
 
 
@@ -612,9 +618,10 @@ def test_store_down_mid_run_loses_lease_after_ttl_and_task_still_succeeds(
     assert logs.messages(logging.ERROR, "release of")
     assert logs.messages(logging.WARNING, "heartbeat could not extend")
     # The process recovers: once the store is back, the next task runs locked.
+    back_us = time.time_ns() // 1000
     lock_server.start()
     assert tasks["work"].delay(8).get(timeout=TIMEOUT) == 8
-    assert bodies.runs[-1]["fence"] == 1
+    assert bodies.runs[-1]["fence"] >= back_us  # locked, by a counter started once it was back
     print(f"\nlease lost {lost_after:.2f}s after the store stopped (TTL 1.2 s)")
 
 
@@ -692,8 +699,8 @@ def test_a_release_left_for_later_is_tried_with_its_outcome_when_the_process_han
     """A pool process that exits (``max_tasks_per_child``, shutdown) right after its store
     refused a release tries it once more as it hands its leases back: with the done-marker."""
     token = new_token()
-    assert store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS) == Acquired(fence=1)
-    lease = Lease(store, KEYS, token, 600_000, 1, HOLDER)
+    fence = granted(store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS))
+    lease = Lease(store, KEYS, token, 600_000, fence, HOLDER)
     dump = fail_saves(admin)
     with pytest.raises(LockStoreUnavailableError):
         store.release(lease, success=True, done_ttl_ms=60_000)
@@ -748,13 +755,13 @@ def test_acquire_whose_reply_is_lost_is_granted_on_retry(
         before = command_calls(admin)
         proxy.drop_reply_to(store.scripts.acquire.sha.encode())
         token = new_token()
-        assert acquire(store, token) == Acquired(fence=1)
+        fence = granted(acquire(store, token))
     finally:
         store.client.close()
     assert proxy.dropped == 1
     assert (command_calls(admin) - before)["evalsha"] == 2  # it ran twice: once unanswered
-    assert admin.get(KEYS.lock).startswith(f"{token} 1 ".encode())
-    assert admin.get(KEYS.fence) == b"1"  # one grant, one fence
+    assert admin.get(KEYS.lock).startswith(f"{token} {fence} ".encode())
+    assert admin.get(KEYS.fence) == str(fence).encode()  # one grant, one fence
 
 
 def test_acquire_whose_reply_timed_out_past_the_deadline_is_granted_on_retry(
@@ -768,12 +775,12 @@ def test_acquire_whose_reply_timed_out_past_the_deadline_is_granted_on_retry(
         acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "warm", "s"))
         proxy.drop_reply_to(store.scripts.acquire.sha.encode(), hang=True)
         token = new_token()
-        assert acquire(store, token) == Acquired(fence=1)
+        fence = granted(acquire(store, token))
     finally:
         client.close()
     assert proxy.dropped == 1
-    assert admin.get(KEYS.lock).startswith(f"{token} 1 ".encode())
-    assert admin.get(KEYS.fence) == b"1"
+    assert admin.get(KEYS.lock).startswith(f"{token} {fence} ".encode())
+    assert admin.get(KEYS.fence) == str(fence).encode()
 
 
 def _release_losing_the_first_reply(proxy: ReplyDropper, *, success: bool) -> bool | None:
@@ -781,22 +788,21 @@ def _release_losing_the_first_reply(proxy: ReplyDropper, *, success: bool) -> bo
     after the server ran it; return what the release reports after its retry."""
     store = LockStore.from_url(proxy.url)
     try:
-        token = _granted_with_the_release_script_loaded(store)
+        token, fence = _granted_with_the_release_script_loaded(store)
         proxy.drop_reply_to(store.scripts.release.sha.encode())
-        lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+        lease = Lease(store, KEYS, token, TTL_MS, fence, HOLDER)
         return store.release(lease, success=success, done_ttl_ms=60_000)
     finally:
         store.client.close()
 
 
-def _granted_with_the_release_script_loaded(store: LockStore) -> str:
-    """Load the release script (a release of a lease never granted) and grant ``KEYS`` fence 1;
-    return the grant's token. The proxy can then drop the release's reply by its SHA."""
+def _granted_with_the_release_script_loaded(store: LockStore) -> tuple[str, int]:
+    """Load the release script (a release of a lease never granted) and grant ``KEYS``; return
+    the grant's token and fence. The proxy can then drop the release's reply by its SHA."""
     stale = Lease(store, KEYS, new_token(), TTL_MS, 1, HOLDER)
     assert store.release(stale, success=False, done_ttl_ms=1) is False
     token = new_token()
-    assert acquire(store, token) == Acquired(fence=1)
-    return token
+    return token, granted(acquire(store, token))
 
 
 def test_release_whose_reply_is_lost_reports_owned_on_retry(
@@ -835,15 +841,15 @@ def test_release_after_a_redelivered_copy_completed_is_not_reported_owned(
     store = LockStore.from_url(proxy.url)
     try:
         token = new_token()
-        assert acquire(store, token) == Acquired(fence=1)
+        fence = granted(acquire(store, token))
         admin.delete(KEYS.lock)  # the lease's TTL ran out
         again = new_token()
-        assert acquire(store, again) == Acquired(fence=2)
-        redelivered = Lease(store, KEYS, again, TTL_MS, 2, HOLDER)
+        assert acquire(store, again) == Acquired(fence=fence + 1)
+        redelivered = Lease(store, KEYS, again, TTL_MS, fence + 1, HOLDER)
         assert store.release(redelivered, success=True, done_ttl_ms=60_000) is True
         if lost_reply:
             proxy.drop_reply_to(store.scripts.release.sha.encode())
-        lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+        lease = Lease(store, KEYS, token, TTL_MS, fence, HOLDER)
         assert store.release(lease, success=True, done_ttl_ms=60_000) is owned
     finally:
         store.client.close()
@@ -861,7 +867,7 @@ def test_release_whose_reply_is_lost_after_a_shared_scope_took_the_lock_is_not_l
     assert other_keys.lock == KEYS.lock
     assert other_keys.done != KEYS.done
     try:
-        token = _granted_with_the_release_script_loaded(store)
+        token, fence = _granted_with_the_release_script_loaded(store)
         # The lost reply's connection is cut only after the other task's grant: the retry
         # finds the lock held by it.
         proxy.drop_reply_to(store.scripts.release.sha.encode())
@@ -877,12 +883,12 @@ def test_release_whose_reply_is_lost_after_a_shared_scope_took_the_lock_is_not_l
                     grants.append(acquire(direct, new_token(), other_keys, other))
 
         store._evalsha = evalsha_then_other_grants  # type: ignore[method-assign]
-        lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+        lease = Lease(store, KEYS, token, TTL_MS, fence, HOLDER)
         assert store.release(lease, success=True, done_ttl_ms=60_000) is None
     finally:
         store.client.close()
         direct.client.close()
-    assert grants == [Acquired(fence=2)]
+    assert grants == [Acquired(fence=fence + 1)]
     assert proxy.dropped == 1
     assert admin.get(KEYS.done) == b"task-1"
 
@@ -893,9 +899,9 @@ def test_release_tried_again_after_a_call_without_answer_cannot_tell_a_lapse(
     """The heartbeat tries again a release whose every try failed, some perhaps run: a failure's
     release finding the lock gone is owned or lost, nobody can tell (``tried_before``)."""
     token = new_token()
-    assert acquire(store, token) == Acquired(fence=1)
+    fence = granted(acquire(store, token))
     admin.delete(KEYS.lock)  # an earlier call's try ran, or the TTL ran out
-    lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+    lease = Lease(store, KEYS, token, TTL_MS, fence, HOLDER)
     assert store.release(lease, success=False, done_ttl_ms=60_000) is False
     assert store.release(lease, success=False, done_ttl_ms=60_000, tried_before=True) is None
     # A success's release has its marker to tell by: none, so this lease never released.
@@ -932,14 +938,14 @@ def test_acquire_and_release_reload_scripts_after_a_real_restart(
     acquire(store, new_token(), RequestKeys.build("celery-lock", "s", "warm", "s"))
     lock_server.restart()
     token = new_token()
-    assert acquire(store, token) == Acquired(fence=1)  # NOSCRIPT answered, not an error
+    fence = granted(acquire(store, token))  # NOSCRIPT answered, not an error
     lock_server.restart()
     # The request's lock is there again (written by another client) but no script is loaded.
     other = LockStore.from_url(lock_server.url)
-    assert acquire(other, token) == Acquired(fence=1)
+    fence = granted(acquire(other, token))
     other.client.close()
     assert admin.script_exists(store.scripts.release.sha) == [False]
-    lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+    lease = Lease(store, KEYS, token, TTL_MS, fence, HOLDER)
     assert store.release(lease, success=True, done_ttl_ms=60_000) is True
     assert admin.get(KEYS.done) == b"task-1"
 
@@ -954,15 +960,15 @@ def test_after_a_failover_the_store_follows_its_address_to_the_new_primary(
     with RedisServer() as promoted:
         try:
             old_token = new_token()
-            assert acquire(store, old_token) == Acquired(fence=1)
-            old_lease = Lease(store, KEYS, old_token, TTL_MS, 1, HOLDER)
+            fence = granted(acquire(store, old_token))
+            old_lease = Lease(store, KEYS, old_token, TTL_MS, fence, HOLDER)
             assert store.extend_all([old_lease]) == [True]  # the heartbeat's connection, too
             # Another thread's connection, in use meanwhile: its command must not be cut.
             busy = _check_out(store.client.connection_pool)
             proxy.upstream_port = promoted.port  # new connections reach the new primary
             admin.replicaof("127.0.0.1", promoted.port)
             other = RequestKeys.build("celery-lock", "shop.process", "43", "shop.process")
-            assert acquire(store, new_token(), other) == Acquired(fence=1)
+            fence = granted(acquire(store, new_token(), other))
             assert busy._sock is not None  # left alone: its own next reply says READONLY
             store.client.connection_pool.release(busy)
             with contextlib.closing(promoted.client()) as new_primary:
@@ -979,12 +985,12 @@ def test_heartbeat_pipeline_reloads_its_script_after_a_real_restart(
     lock_server: RedisServer, store: LockStore, admin: redis.Redis
 ) -> None:
     token = new_token()
-    assert acquire(store, token) == Acquired(fence=1)
-    lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+    fence = granted(acquire(store, token))
+    lease = Lease(store, KEYS, token, TTL_MS, fence, HOLDER)
     assert store.extend_all([lease]) == [True]
     lock_server.restart()
     other = LockStore.from_url(lock_server.url)
-    assert acquire(other, token) == Acquired(fence=1)  # loads the acquire script only
+    fence = granted(acquire(other, token))  # loads the acquire script only
     other.client.close()
     assert admin.script_exists(store.scripts.extend.sha) == [False]
     admin.pexpire(KEYS.lock, 2_000)  # not so short that a stall of the machine lets it lapse
@@ -1020,10 +1026,10 @@ def test_a_script_gone_again_once_loaded_is_not_now_for_acquire_and_release(
     admin.script_flush()
     loaded = flush_after_loads(store, admin, times=1)
     token = new_token()
-    assert acquire(store, token) == Acquired(fence=1)
+    fence = granted(acquire(store, token))
     assert loaded == [store.scripts.acquire.sha] * 2
     admin.script_flush()
-    lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+    lease = Lease(store, KEYS, token, TTL_MS, fence, HOLDER)
     assert store.release(lease, success=True, done_ttl_ms=60_000) is True
     assert loaded[2:] == [store.scripts.release.sha] * 2
     assert admin.get(KEYS.done) == b"task-1"
@@ -1043,8 +1049,8 @@ def test_the_heartbeat_s_script_gone_again_once_loaded_does_not_lose_the_lease(
     store: LockStore, admin: redis.Redis
 ) -> None:
     token = new_token()
-    assert acquire(store, token) == Acquired(fence=1)
-    lease = Lease(store, KEYS, token, TTL_MS, 1, HOLDER)
+    fence = granted(acquire(store, token))
+    lease = Lease(store, KEYS, token, TTL_MS, fence, HOLDER)
     assert store.extend_all([lease]) == [True]
     admin.script_flush()
     loaded = flush_after_loads(store, admin, times=1)
@@ -1073,7 +1079,7 @@ def test_restart_is_detected_by_run_id_with_a_warning(
     assert store.run_id not in (None, first)
     [warning] = logs.messages(logging.WARNING, "restarted")
     assert first in warning
-    assert "fences may have gone back" in warning
+    assert "fence counters were lost" in warning
 
 
 def test_run_id_check_costs_no_round_trip_per_task(store: LockStore, admin: redis.Redis) -> None:
@@ -1205,7 +1211,7 @@ def test_a_credential_refused_once_is_tried_once_more(
         port=lock_server.port, credential_provider=Rotating(), retry=Retry(NoBackoff(), 0)
     )
     try:
-        assert acquire(LockStore(client), new_token()) == Acquired(fence=1)
+        granted(acquire(LockStore(client), new_token()))
     finally:
         client.close()
 
@@ -1311,7 +1317,8 @@ def test_tasks_in_one_process_draw_a_new_token_per_acquisition(
         with pytest.raises(RuntimeError, match="not done"):
             work(7)
     tokens = [lock.split(b" ")[0] for lock in locks]
-    assert [int(lock.split(b" ")[1]) for lock in locks] == [1, 2, 3, 4, 5]  # five grants
+    fences = [int(lock.split(b" ")[1]) for lock in locks]
+    assert fences == [fences[0] + n for n in range(5)]  # five grants
     assert all(len(token) == 32 and int(token, 16) >= 0 for token in tokens)
     assert len(set(tokens)) == 5, tokens
     assert not admin.exists(keys.lock)  # each run released its lease

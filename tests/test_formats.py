@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -599,13 +600,17 @@ def test_a_grant_stores_the_lock_fence_counter_and_done_marker_in_the_golden_for
         )
         return "ran"
 
+    before_us = time.time_ns() // 1000
     assert record.apply((42,), task_id="golden-task-1").get() == "ran"
+    after_us = time.time_ns() // 1000
     lock, fence, done = GOLDEN["name/int"]
     assert record.request_keys((42,), {}) == RequestKeys(lock, fence, done)
 
     parsed = LOCK_VALUE.fullmatch(seen["lock"].decode())
     assert parsed, seen["lock"]
-    assert (int(parsed["fence"]), seen["lock_fence"]) == (1, 1)
+    # A new request's first fence: the granting process's clock, in microseconds.
+    assert int(parsed["fence"]) == seen["lock_fence"]
+    assert before_us <= seen["lock_fence"] <= after_us
     holder = json.loads(parsed["holder"])
     assert list(holder) == HOLDER_FIELDS
     assert holder["task_id"] == "golden-task-1"
@@ -613,7 +618,7 @@ def test_a_grant_stores_the_lock_fence_counter_and_done_marker_in_the_golden_for
     assert isinstance(holder["host"], str)
     assert (type(holder["pid"]), type(holder["since"])) == (int, int)
     # The fence counter: a plain string counter (INCR), its value the last fence granted.
-    assert (seen["fence_type"], seen["fence"]) == (b"string", b"1")
+    assert (seen["fence_type"], seen["fence"]) == (b"string", parsed["fence"].encode())
     # The done-marker: the id of the task that completed the request, as a plain string.
     assert lock_redis.type(done) == b"string"
     assert lock_redis.get(done) == b"golden-task-1"

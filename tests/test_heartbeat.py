@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import granted
 
 from celery_lock.heartbeat import Heartbeat
 from celery_lock.keys import RequestKeys
@@ -188,16 +189,16 @@ def test_a_run_that_outlasts_its_fence_counters_ttl_keeps_the_counter(
     lock_url: str, lock_redis: redis.Redis
 ) -> None:
     # The grant gives the counter max(done TTL, lease TTL). A run longer than that must not see
-    # its counter expire: the next grant (after this holder paused past its lease) would get
-    # fence 1 again, below the fence the paused holder still writes with.
+    # its counter expire: the next grant (after this holder paused past its lease) would start
+    # a new counter from its own clock, above the paused holder's fence only while the two
+    # machines' clocks agree.
     store = LockStore.from_url(lock_url)
     heartbeat = Heartbeat()
     keys = RequestKeys.build("celery-lock", "shop.process", "long-run", "shop.process")
     token = new_token()
     # A 2 s lease beaten every 0.5 s: only a thread stalled for 1.5 s would lose it.
-    outcome = store.acquire(keys, token, 2_000, HOLDER, 3_000)
-    assert outcome == Acquired(fence=1)
-    lease = Lease(store, keys, token, 2_000, outcome.fence, HOLDER, fence_ttl_ms=3_000)
+    fence = granted(store.acquire(keys, token, 2_000, HOLDER, 3_000))
+    lease = Lease(store, keys, token, 2_000, fence, HOLDER, fence_ttl_ms=3_000)
     heartbeat.add(lease, 0.5)
     try:
         time.sleep(4.0)  # the counter's TTL from the grant (3 s) has run out
@@ -205,7 +206,8 @@ def test_a_run_that_outlasts_its_fence_counters_ttl_keeps_the_counter(
         assert lock_redis.exists(keys.fence)
         heartbeat.stop()
         lock_redis.delete(keys.lock)  # the holder paused past its lease
-        assert store.acquire(keys, new_token(), 2_000, HOLDER, 3_000) == Acquired(fence=2)
+        next_grant = store.acquire(keys, new_token(), 2_000, HOLDER, 3_000)
+        assert next_grant == Acquired(fence=fence + 1)
     finally:
         heartbeat.stop()
         store.client.close()

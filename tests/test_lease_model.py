@@ -5,8 +5,9 @@ that share a scope, beside the faults a real deployment sees: a lease that lapse
 counter that expires, a done-marker forgotten (``celery lock forget``). After every step the
 scripts' answers must be what the contract says, and the keys must hold what the model holds:
 
-- a grant's fence is one more than the request's last (1 once the counter is gone), and the
-  same for a retried acquire with the same token;
+- a grant's fence is one more than the request's last, or once the counter is gone, the
+  granting process's clock in microseconds, above every fence the request had; the same for a
+  retried acquire with the same token;
 - a done-marker of the copy's task comes first, then a lease held by another token;
 - a release or an extend acts only for the token that holds the lease, and a release writes
   the done-marker only on success;
@@ -63,6 +64,8 @@ class Request:
     lease: Grant | None = None
     #: The last fence granted while the counter lived; ``None``: no counter.
     fence: int | None = None
+    #: The largest fence ever granted, counters gone or not.
+    highest: int = 0
     #: Monotonic time until which the counter must live (the longest TTL a grant asked).
     fence_until: float = 0.0
     done: dict[str, str] = field(default_factory=dict)
@@ -100,7 +103,9 @@ class LeaseModel(RuleBasedStateMachine):
         state = self.requests[request]
         holder = self._holder(task)
         token = new_token()
+        before_us = time.time_ns() // 1000
         outcome = self.store.acquire(keys_of(request, task), token, TTL_MS, holder, fence_ttl_ms)
+        after_us = time.time_ns() // 1000
         if task in state.done:
             assert outcome == Done(task_id=state.done[task])
         elif state.lease is not None:
@@ -111,9 +116,14 @@ class LeaseModel(RuleBasedStateMachine):
             )
             assert 0 < outcome.pttl_ms <= TTL_MS
         else:
-            fence = (state.fence or 0) + 1
-            assert outcome == Acquired(fence=fence)
+            assert isinstance(outcome, Acquired)
+            fence = outcome.fence
+            if state.fence is not None:
+                assert fence == state.fence + 1
+            else:  # a new counter, started from the clock
+                assert max(before_us, state.highest + 1) <= fence <= after_us
             state.lease, state.fence = Grant(token, holder, fence), fence
+            state.highest = fence
             state.fence_until = max(state.fence_until, time.monotonic() + fence_ttl_ms / 1000)
 
     @rule(request=st.sampled_from(REQUESTS), fence_ttl_ms=st.sampled_from(FENCE_TTLS_MS))

@@ -32,9 +32,9 @@ SCRIPT_COMMANDS = {"get", "pttl", "incr", "pexpire", "del", "set"}
 PER_TASK = Counter({
     "evalsha": 2,  # acquire and release: the only round trips
     "get": 3,  # acquire reads the done-marker and the lock; release reads the lock
-    "incr": 1,  # one fence per grant
-    "pexpire": 1,  # acquire gives the new fence counter its TTL (no PTTL: it has none yet)
-    "set": 2,  # the lease, then its done-marker
+    # acquire starts the request's fence counter at the clock with its TTL (SET NX PX: no INCR
+    # for a new request), then writes the lease; release writes the done-marker
+    "set": 3,
     "del": 1,  # the lease, released
 })  # fmt: skip
 
