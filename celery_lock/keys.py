@@ -5,7 +5,8 @@
 * an argument name: ``lock_key="request_idx"``;
 * a format template over the bound arguments: ``lock_key="{tenant}:{request_idx}"``, with
   literal text between any two fields (``"{tenant}{request_idx}"`` reads ``("a1", 23)`` and
-  ``("a12", 3)`` alike, and is refused);
+  ``("a12", 3)`` alike, and is refused) and no field in a format spec (``"{tenant:>{width}}"``
+  reads ``("x", 3)`` and ``("  x", 1)`` alike, and is refused too);
 * a callable taking the task's ``*args, **kwargs`` and returning the key (``str``, ``bytes``,
   ``int``, or anything read as an argument is);
 * ``None`` (default): a stable digest of the task name and all bound arguments.
@@ -72,6 +73,9 @@ LockKeySpec = str | Callable[..., Any] | None
 #: The parts of a template field after its argument, as str.format reads them (``.attribute``
 #: or ``[item]``), and a dunder name (``__class__``), which a template may not reach.
 _FIELD_PARTS = re.compile(r"\.([^.\[]+)|\[([^\]]*)\]")
+#: The parts after a field's argument as str.format accepts them: none empty, and nothing but
+#: ``.`` or ``[`` after an item.
+_WELL_FORMED_PARTS = re.compile(r"(?:\.[^.\[]+|\[[^\]]+\])*")
 _DUNDER = re.compile(r"__\w+__")
 
 
@@ -360,6 +364,13 @@ def _render(value: Any) -> str | bytes:
     return _named(str(value))
 
 
+def _spec_fields(format_spec: str) -> list[str]:
+    """The replacement fields in a template field's format spec (``{width}`` in
+    ``{a:>{width}}``), which str.format fills before it formats the field; an escaped brace
+    (``{{``) is literal text, and no field."""
+    return [name for _, name, _, _ in string.Formatter().parse(format_spec) if name is not None]
+
+
 def _named(text: str) -> str:
     """``text``, unless it shows a memory address (a method a template reached, an object
     without text of its own inside another's): a key of its own for every copy.
@@ -406,8 +417,8 @@ class KeyDeriver:
 
         Raises:
             LockKeyError: ``spec`` names an argument (or template field) the task does not have,
-                or the ``**kwargs`` parameter itself; the template is malformed, or joins two
-                fields with nothing between them.
+                or the ``**kwargs`` parameter itself; the template is malformed, joins two
+                fields with nothing between them, or takes a format spec from a field.
         """
         deriver = cls(task_name, signature, spec)
         if isinstance(spec, str):
@@ -455,7 +466,7 @@ class KeyDeriver:
             ) from exc
         names = []
         previous: str | None = None  # the field before, while no literal text has followed it
-        for literal, template_field, _, conversion in parsed:
+        for literal, template_field, format_spec, conversion in parsed:
             if literal:
                 previous = None
             if template_field is None:
@@ -470,6 +481,23 @@ class KeyDeriver:
             if not root or root.isdigit():
                 raise LockKeyError(
                     f"lock_key template {self.spec!r} must name its fields ({{name}})",
+                    task_name=self.task_name,
+                )
+            if not _WELL_FORMED_PARTS.fullmatch(template_field[len(root) :]):
+                # "{a.}", "{a[]}", "{a[0]b}": str.format refuses them only as it formats.
+                raise LockKeyError(
+                    f"lock_key template {self.spec!r} is malformed: an empty or misplaced "
+                    f"attribute or item in {{{template_field}}}",
+                    task_name=self.task_name,
+                )
+            if format_spec and _spec_fields(format_spec):
+                # "{a:>{width}}": str.format fills the spec from another field, so ("x", 3) and
+                # ("  x", 1) read alike, and a field only the spec names fails at publish.
+                raise LockKeyError(
+                    f"lock_key template {self.spec!r} takes the format spec of "
+                    f"{{{template_field}}} from a field ({format_spec!r}): a key must not depend "
+                    f"on a width or spec read from an argument; write the spec out, such as "
+                    f"'{{{template_field}:>8}}'",
                     task_name=self.task_name,
                 )
             # The attributes the field reaches through (".name"), not its items ("[a.__b]").

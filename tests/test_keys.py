@@ -817,8 +817,11 @@ def test_lock_key_naming_a_missing_argument_fails_at_finalize_for_a_lazy_task() 
 
 
 @pytest.mark.parametrize(
-    "template", ["{tenant", "{tenant}}", "{tenant}:{request_idx", "{tenant!rr}", "{tenant!x}"]
-)
+    "template",
+    ["{tenant", "{tenant}}", "{tenant}:{request_idx", "{tenant!rr}", "{tenant!x}",
+     # Empty or misplaced parts after the argument, which str.format refuses only as it formats.
+     "{tenant.}", "{tenant[]}", "{tenant..x}", "{tenant[0]x}", "{tenant}:{request_idx.real.}"],
+)  # fmt: skip
 def test_malformed_template_fails_at_class_creation(template: str) -> None:
     with pytest.raises(
         LockKeyError, match=r"keys_tests\.malformed: lock_key template .* is malformed"
@@ -827,6 +830,34 @@ def test_malformed_template_fails_at_class_creation(template: str) -> None:
         @app.task(name="keys_tests.malformed", lock_key=template, **TASK_OPTIONS)
         def malformed(tenant: Any, request_idx: Any) -> None:
             pass
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["{tenant:{request_idx}}", "{tenant:>{request_idx}}:{request_idx}",
+     "{tenant}:{request_idx!r:>{tenant}}", "{tenant:{}}", "{tenant:{0}}", "{tenant:{x.y}}"],
+    ids=["spec", "width-of-a-keyed-field", "after-conversion", "auto-numbered", "positional",
+         "not-an-argument"],
+)  # fmt: skip
+def test_a_template_taking_a_format_spec_from_a_field_fails_at_class_creation(
+    template: str,
+) -> None:
+    """str.format fills ``{tenant:>{width}}``'s spec from another field: ``("x", 3)`` and
+    ``("  x", 1)`` would read alike, and a field that only the spec names failed at publish."""
+    with pytest.raises(
+        LockKeyError, match=r"keys_tests\.nested: lock_key template .* takes the format spec"
+    ):
+
+        @app.task(name="keys_tests.nested", lock_key=template, **TASK_OPTIONS)
+        def nested(tenant: Any, request_idx: Any) -> None:
+            pass
+
+
+def test_a_format_spec_with_an_escaped_brace_is_literal_text() -> None:
+    # "{{" in a spec is a brace, as in str.format: a datetime's strftime spec may hold one.
+    derive = KeyDeriver.create("t", inspect.signature(_cart_task), "{cart:%Y{{%m}}}:{note}")
+    when = datetime.date(2024, 5, 1)
+    assert derive.request_key((when, 1), {}) == safe_key_part("2024{05}:1")
 
 
 @pytest.mark.parametrize(
@@ -852,8 +883,10 @@ def test_a_template_joining_two_fields_without_a_separator_fails_at_class_creati
     ("template", "problem"),
     [("{tenant}{0}", "must name its fields"), ("{tenant}{}", "must name its fields"),
      ("{tenant}{request_idx.__class__}", "reaches a dunder attribute"),
-     ("{tenant}{request_idx!x}", "unknown conversion")],
-    ids=["positional", "auto-numbered", "dunder", "conversion"],
+     ("{tenant}{request_idx!x}", "unknown conversion"),
+     ("{tenant}{request_idx.}", "empty or misplaced attribute"),
+     ("{tenant}{request_idx:{tenant}}", "takes the format spec")],
+    ids=["positional", "auto-numbered", "dunder", "conversion", "empty-part", "spec-field"],
 )  # fmt: skip
 def test_a_glued_field_that_is_itself_refused_is_named_for_its_own_problem(
     template: str, problem: str
