@@ -259,13 +259,15 @@ def unknown_settings(conf: Mapping[str, Any]) -> list[str]:
     return found
 
 
-def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
+def store_warnings(
+    store: LockStore, prefixes: Iterable[str] = (), setting: str = "celery_lock_redis_url"
+) -> list[str]:
     """Whether the lock store cannot be reached, may evict leases, is a replica, or shuts its
     user out of the keys under one of ``prefixes``; empty if it cannot tell.
 
     Raises:
-        ConfigurationError: the store is a node of a Redis Cluster of several masters (see
-            :func:`check_single_endpoint`).
+        ConfigurationError: naming ``setting`` (where the store's URL came from): the store is a
+            node of a Redis Cluster of several masters (see :func:`check_single_endpoint`).
     """
     address = address_of(store.client)
     try:
@@ -293,7 +295,7 @@ def store_warnings(store: LockStore, prefixes: Iterable[str] = ()) -> list[str]:
             ]
         config = _memory_settings_from_info(store.client)
     # Asked once the store answered: an unreachable one would cost a connect timeout more.
-    check_single_endpoint(store.client)
+    check_single_endpoint(store.client, setting)
     found = _replica_warnings(store) + _key_permission_warnings(store, prefixes)
     policy = str(config.get("maxmemory-policy", "noeviction"))
     if int(config.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
@@ -316,7 +318,9 @@ def check_single_endpoint(client: redis.Redis, setting: str = "celery_lock_redis
 
     Args:
         client: the lock store's client.
-        setting: the setting or option the URL came from, as the error names it.
+        setting: the setting or option the URL came from, as the error names it
+            (``broker_url`` where the broker's URL stands in for ``celery_lock_redis_url``;
+            several joined by ``" / "``).
 
     Raises:
         ConfigurationError: naming ``setting``: the store is such a node.
@@ -324,11 +328,15 @@ def check_single_endpoint(client: redis.Redis, setting: str = "celery_lock_redis
     masters = _cluster_masters(client)
     if masters is None or masters <= 1:
         return
+    use = "Use"
+    if "broker_url" in setting.split(" / "):
+        # The broker stays where it is: the lock store needs a URL of its own.
+        use = "Set celery_lock_redis_url, for which the broker's URL stands in while unset, to"
     raise ConfigurationError(
         setting,
         f"lock store {address_of(client)} is a node of a Redis Cluster of {masters} masters, "
         "and celery-lock's client talks to that node alone: it refuses (MOVED) the keys of the "
-        "slots the other masters serve, and their tasks would fail. Use a single endpoint (a "
+        f"slots the other masters serve, and their tasks would fail. {use} a single endpoint (a "
         "plain Redis server, or a cluster of one master)",
     )
 
@@ -447,12 +455,33 @@ def store_prefixes(app: Celery) -> dict[str, set[str]]:
             the app never declared (a task of another app in the process, shared with every
             app by Celery's default ``shared=True``).
     """
+    return {url: prefixes for url, (_, prefixes) in _stores_in_use(app).items()}
+
+
+def _stores_in_use(app: Celery) -> dict[str, tuple[list[str], set[str]]]:
+    """:func:`store_prefixes`, each URL also with the names of what it came from, as an error
+    about it names them: the setting as written (``CELERY_LOCK_REDIS_URL`` too), a task's
+    option (``<task>.lock_redis_url``, as :meth:`LockSettings.resolve` names it), or
+    ``broker_url`` where the broker's URL stands in.
+
+    Raises:
+        ConfigurationError: as :func:`store_prefixes`.
+    """
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 
-    found: dict[str, set[str]] = {}
+    found: dict[str, tuple[list[str], set[str]]] = {}
+
+    def use(url: str, source: str, prefix: str) -> None:
+        sources, prefixes = found.setdefault(url, ([], set()))
+        if source not in sources:
+            sources.append(source)
+        prefixes.add(prefix)
+
     app_settings = LockSettings.resolve(app.conf)
+    _, conf_name = conf_value(app.conf, "celery_lock_redis_url")
+    app_source = conf_name if app_settings.redis_url else "broker_url"
     with contextlib.suppress(ConfigurationError):  # no app-wide store: each task names its own
-        found[lock_store_url(app, app_settings)] = {app_settings.key_prefix}
+        use(lock_store_url(app, app_settings), app_source, app_settings.key_prefix)
     for task in app.tasks.values():
         if not isinstance(task, LockedTask):
             continue
@@ -461,7 +490,8 @@ def store_prefixes(app: Celery) -> dict[str, set[str]]:
             url = lock_store_url(app, settings)
         except ConfigurationError as exc:
             raise ConfigurationError(exc.setting, f"{exc.problem} (task {task.name})") from exc
-        found.setdefault(url, set()).add(settings.key_prefix)
+        own = task._lock_task_options().get("lock_redis_url") is not None
+        use(url, f"{task.name}.lock_redis_url" if own else app_source, settings.key_prefix)
     return found
 
 
@@ -493,12 +523,13 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore], bodies: int = 1) 
                 found += settings_warnings(app, task.name, settings)
     found += beat_warnings(app)
     try:
-        prefixes = store_prefixes(app)
+        in_use = _stores_in_use(app)
     except ConfigurationError:
-        prefixes = {}  # a task without a store: a worker refuses to start before this
+        in_use = {}  # a task without a store: a worker refuses to start before this
     for url, store in stores.items():
+        sources, prefixes = in_use.get(url, (["celery_lock_redis_url"], set()))
         found += connection_warnings(store, bodies)
-        found += store_warnings(store, sorted(prefixes.get(url, ())))
+        found += store_warnings(store, sorted(prefixes), " / ".join(sources))
     for message in found:
         logger.warning("celery-lock: %s", message)
     return found

@@ -412,8 +412,8 @@ def _setting(field: str, value: Any, name: str, option: str | None) -> Any:
 
 def _store(app: Celery, options: _Options, app_given: bool = True) -> tuple[str, str, str]:
     """The lock store URL and key prefix to use, the options', else the app's, and the name of
-    what the URL came from, for errors about it (``--url``, or the setting as written; its
-    lower-case name where the broker URL stands in for it).
+    what the URL came from, for errors about it (``--url``, the setting as written, or
+    ``broker_url`` where the broker's URL stands in for it).
 
     Only these two settings are read, each checked on its own: another invalid celery-lock
     setting (say, a heartbeat interval above the TTL) is the worker's concern, not this
@@ -436,7 +436,7 @@ def _store(app: Celery, options: _Options, app_given: bool = True) -> tuple[str,
         conf_url = _setting("redis_url", conf_url, name, "--url")
     try:
         url = lock_store_url(app, LockSettings(redis_url=conf_url))
-        return url, prefix, name if conf_url is not None else "celery_lock_redis_url"
+        return url, prefix, name if conf_url is not None else "broker_url"
     except ConfigurationError as exc:
         # Without -A, Celery's default app has no settings to read: suggest it too.
         hint = "or pass --url" if app_given else "or pass -A with your app, or --url"

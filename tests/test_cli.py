@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def celery_lock_cli(
-    env: dict[str, str], *args: str, stdin: str = ""
+    env: dict[str, str], *args: str, stdin: str = "", app: str = "tests.apps.storm_app"
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.apps.storm_app", "lock", *args],
+        [sys.executable, "-m", "celery", "-A", app, "lock", *args],
         env={**os.environ, **env}, cwd=ROOT, input=stdin, capture_output=True, text=True,
         timeout=60, check=False,
     )  # fmt: skip
@@ -191,7 +191,7 @@ def test_unreachable_store_is_a_clean_error(worker_env: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     ("command", "url_from"),
     [(["ls"], "--url"), (["show", "storm.process:1"], "conf"),
-     (["forget", "storm.process:1"], "conf")],
+     (["forget", "storm.process:1"], "conf"), (["ls"], "broker")],
 )  # fmt: skip
 def test_a_node_of_a_cluster_of_several_masters_is_a_clean_error(
     worker_env: dict[str, str],
@@ -205,6 +205,10 @@ def test_a_node_of_a_cluster_of_several_masters_is_a_clean_error(
     if url_from == "--url":
         done = celery_lock_cli(worker_env, "--url", node.url, *command)
         setting = "--url"
+    elif url_from == "broker":  # no celery_lock_redis_url: the broker's URL stands in
+        conf = {"BARE_CONF": json.dumps({"broker_url": node.url})}
+        done = celery_lock_cli({**worker_env, **conf}, *command, app="tests.apps.bare_app")
+        setting = "broker_url"
     else:
         done = celery_lock_cli({**worker_env, "STORM_LOCK_URL": node.url}, *command)
         setting = "celery_lock_redis_url"
@@ -214,6 +218,7 @@ def test_a_node_of_a_cluster_of_several_masters_is_a_clean_error(
         "masters"
     ) in done.stderr
     assert "a single endpoint (a plain Redis server, or a cluster of one master)" in done.stderr
+    assert ("Set celery_lock_redis_url" in done.stderr) == (url_from == "broker")
     assert "Traceback" not in done.stderr
     assert done.stdout == ""
 

@@ -637,6 +637,46 @@ def test_a_lock_store_on_a_node_of_a_cluster_of_several_masters_stops_the_worker
     )
 
 
+@pytest.mark.parametrize(
+    ("url_from", "setting"),
+    [("conf", "celery_lock_redis_url"), ("upper-case conf", "CELERY_LOCK_REDIS_URL"),
+     ("task option", "config_tests.on_cluster.lock_redis_url"), ("broker", "broker_url"),
+     ("conf and task option", "celery_lock_redis_url / config_tests.on_cluster.lock_redis_url")],
+)  # fmt: skip
+def test_the_cluster_refusal_names_where_the_lock_store_url_came_from(
+    redis_cluster: Callable[[int], list[RedisServer]], url_from: str, setting: str
+) -> None:
+    """It named celery_lock_redis_url whatever the URL came from: a task's own lock_redis_url,
+    or the broker's URL, which stands in while celery_lock_redis_url is unset."""
+    node, *_ = redis_cluster(2)
+    app = Celery(
+        "config_tests",
+        broker=node.url if url_from == "broker" else "memory://",
+        set_as_current=False,
+    )
+    if url_from.startswith("conf"):
+        app.conf.celery_lock_redis_url = node.url
+    elif url_from == "upper-case conf":
+        app.conf.CELERY_LOCK_REDIS_URL = node.url
+    options = {"lock_redis_url": node.url} if url_from.endswith("task option") else {}
+
+    @app.task(base=LockedTask, name="config_tests.on_cluster", lock_key="n", shared=False,
+              **options)  # fmt: skip
+    def on_cluster(n: int) -> None:
+        pass
+
+    store = LockStore.from_url(node.url)
+    try:
+        with pytest.raises(ConfigurationError) as refused:
+            checks.warn_at_startup(app, {node.url: store})
+    finally:
+        store.close()
+    assert refused.value.setting == setting
+    assert "is a node of a Redis Cluster of 2 masters" in refused.value.problem
+    # The broker stays where it is: the lock store needs a URL of its own.
+    assert ("Set celery_lock_redis_url" in refused.value.problem) == (url_from == "broker")
+
+
 def test_a_cluster_of_one_master_is_a_lock_store_like_a_plain_server(
     redis_cluster: Callable[[int], list[RedisServer]],
 ) -> None:
