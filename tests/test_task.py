@@ -867,6 +867,53 @@ def test_a_later_step_with_fixed_arguments_but_no_key_is_refused_at_publish(
     assert published == []
 
 
+#: A group member refused at publish, as the third member: the call's own key (a LockedTask's
+#: apply_async) and a later step the member carries (the check in app.send_task).
+REFUSED_GROUP_MEMBERS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "member-without-its-key": lambda t: t["process"].si(),
+    "member-with-a-link-without-its-key": lambda t: t["nothing"].si().set(link=t["process"].si()),
+}
+
+
+@pytest.mark.parametrize("refused", REFUSED_GROUP_MEMBERS.values(), ids=list(REFUSED_GROUP_MEMBERS))
+def test_a_group_member_refused_at_publish_leaves_the_members_before_it_published(
+    worker: Any,
+    tasks: dict[str, Any],
+    published: list[str],
+    refused: Callable[[dict[str, Any]], Any],
+) -> None:
+    # Celery publishes a group's members one by one, each through its own apply_async, and
+    # offers no hook that sees the group before its first member is sent: the refusal of the
+    # third comes after the first two are on the broker. The caller gets the error, and no
+    # GroupResult, while those two run; a group frozen first still names them.
+    members = group(tasks["process"].si(1), tasks["process"].si(2), refused(tasks))
+    result = members.freeze()
+    with pytest.raises(LockKeyError, match=r"^t\.process: .*request_idx"):
+        members.apply_async()
+    assert published == ["t.process", "t.process"]
+    sent = result.results[:2]
+    assert [member.get(timeout=TIMEOUT) for member in sent] == ["processed 1", "processed 2"]
+
+
+def test_a_chord_header_member_refused_at_publish_leaves_a_chord_that_never_ends(
+    worker: Any,
+    tasks: dict[str, Any],
+    published: list[str],
+    finished: Callable[[str], threading.Event],
+) -> None:
+    # A chord's header is a group, published the same way: the first two members run, but the
+    # chord counts the three members of its header, so the body, which the last of them to
+    # finish sends, never is.
+    first = tasks["process"].si(1).set(task_id="first-member")
+    second = tasks["process"].si(2).set(task_id="second-member")
+    with pytest.raises(LockKeyError, match=r"^t\.process: .*request_idx"):
+        chord([first, second, tasks["process"].si()], tasks["nothing"].si())()
+    assert finished("first-member").wait(TIMEOUT)
+    assert finished("second-member").wait(TIMEOUT)
+    # A member's chord-part return, which would send the body, comes before its postrun.
+    assert published == ["t.process", "t.process"]
+
+
 def test_a_later_step_given_its_key_is_published_and_runs(
     worker: Any, tasks: dict[str, Any], calls: Calls
 ) -> None:
