@@ -14,6 +14,10 @@ nothing is sent. Those are the immutable signatures (``.si()``, ``immutable=True
 (``.s()``) gets its parent's result before its own arguments, which only the worker knows: it is
 left to the worker, as is a step of a task this process has not registered (or of an app that
 is not finalized and does not finalize itself).
+
+A group the caller applies (or a chord's header) is no later step: Celery publishes its members
+one by one, each checked as it is sent, so a refused member leaves those before it published.
+No Celery hook sees a group before its first member is sent, so it is not checked whole.
 """
 
 from __future__ import annotations
