@@ -658,6 +658,10 @@ def test_the_cluster_refusal_names_where_the_lock_store_url_came_from(
         app.conf.celery_lock_redis_url = node.url
     elif url_from == "upper-case conf":
         app.conf.CELERY_LOCK_REDIS_URL = node.url
+    elif url_from == "task option":
+        # Another store for the app's other tasks: the shared tasks other tests declared are
+        # this app's too, and a task with no store at all would end the check before it.
+        app.conf.celery_lock_redis_url = "redis://127.0.0.1:1/0"
     options = {"lock_redis_url": node.url} if url_from.endswith("task option") else {}
 
     @app.task(base=LockedTask, name="config_tests.on_cluster", lock_key="n", shared=False,

@@ -45,5 +45,7 @@ class Recorder:
     def __init__(self, prefix: str) -> None:
         self.client = redis.Redis.from_url(env_url(prefix, "RECORD", 3))
 
-    def append(self, key: str, **entry: Any) -> None:
-        self.client.rpush(key, json.dumps({**entry, "pid": os.getpid(), "at": time.monotonic()}))
+    def append(self, key: str, **entry: Any) -> int:
+        """Append ``entry`` to the list at ``key``; return how many entries it holds now."""
+        stamped = {**entry, "pid": os.getpid(), "at": time.monotonic()}
+        return int(self.client.rpush(key, json.dumps(stamped)))

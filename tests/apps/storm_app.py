@@ -90,10 +90,11 @@ def busy(self: Any, request_idx: int, seconds: float = 6.0) -> int:
 
 @app.task(base=LockedTask, bind=True, lock_key="request_idx", lock_ttl=30.0, name="storm.hold")
 def hold(self: Any, request_idx: int, seconds: float = 20.0) -> int:
-    """Holds its request for ``seconds`` on its first grant, briefly on any later one."""
+    """Holds its request for ``seconds`` in the first body the record sees start (a test's
+    first grant), briefly in any later one."""
     started = time.monotonic()
-    _record.append(STARTED_KEY, task_id=self.request.id, fence=self.request.lock_fence)
-    time.sleep(seconds if self.request.lock_fence == 1 else 0.1)
+    starts = _record.append(STARTED_KEY, task_id=self.request.id, fence=self.request.lock_fence)
+    time.sleep(seconds if starts == 1 else 0.1)
     record(self, request_idx, started)
     return request_idx
 
