@@ -428,8 +428,9 @@ class LockStore:
                 raise LockStoreError(
                     f"{what} refused: {redirect}: the lock store {address_of(self.client)} is a "
                     "node of a Redis Cluster of several masters, which celery-lock cannot use; "
-                    "point celery_lock_redis_url at a single endpoint (a plain Redis server, or "
-                    "a cluster of one master)",
+                    "point the lock store URL (celery_lock_redis_url, or the task's "
+                    "lock_redis_url) at a single endpoint (a plain Redis server, or a cluster of "
+                    "one master)",
                     lock_name=lock_name,
                 ) from exc
             found = self.diagnose(roles)

@@ -723,7 +723,7 @@ def test_a_key_on_another_master_fails_naming_moved_and_the_setting(
     assert type(refused.value) is LockStoreError  # fails, not deferred: retrying cannot help
     assert re.search(rf"MOVED \d+ 127\.0\.0\.1:{other.port}", str(refused.value))
     assert "Redis Cluster" in str(refused.value)
-    assert "celery_lock_redis_url" in str(refused.value)
+    assert "celery_lock_redis_url, or the task's lock_redis_url" in str(refused.value)
 
 
 @pytest.mark.parametrize("module", [config, checks], ids=lambda m: m.__name__)
