@@ -6,6 +6,7 @@ See :mod:`celery_lock.task` for the user guide.
 from importlib.metadata import PackageNotFoundError, version
 
 from . import signals
+from .canvas import check_canvas
 from .config import LockSettings
 from .exceptions import (
     CeleryLockError,
@@ -49,6 +50,7 @@ __all__ = [
     "ResultUnavailableError",
     "StaleFenceError",
     "__version__",
+    "check_canvas",
     "fenced_set",
     "fenced_update",
     "follow",

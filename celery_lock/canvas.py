@@ -17,12 +17,13 @@ is not finalized and does not finalize itself).
 
 A group the caller applies (or a chord's header) is no later step: Celery publishes its members
 one by one, each checked as it is sent, so a refused member leaves those before it published.
-No Celery hook sees a group before its first member is sent, so it is not checked whole.
+No Celery hook sees a group before its first member is sent, so it is not checked whole unless
+the caller asks, with :func:`check_canvas`, before applying it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .exceptions import LockKeyError
@@ -30,7 +31,7 @@ from .exceptions import LockKeyError
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["STEP_OPTIONS", "check_later_steps"]
+__all__ = ["STEP_OPTIONS", "check_canvas", "check_later_steps"]
 
 #: The options of a call that carry signatures a worker publishes later.
 STEP_OPTIONS = ("chain", "link", "link_error", "chord")
@@ -47,8 +48,6 @@ def check_later_steps(app: Celery, options: Mapping[str, Any]) -> None:
     Raises:
         LockKeyError: naming the first such step's task, whose arguments yield no request key.
     """
-    from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
-
     # celery-types declares neither attribute.
     if not app.finalized and not app.autofinalize:  # type: ignore[attr-defined]
         # A client that sends by name before it finalizes (autofinalize=False): its registry
@@ -60,19 +59,87 @@ def check_later_steps(app: Celery, options: Mapping[str, Any]) -> None:
         for step in _signatures(options.get(option), seen):
             # A group, chain or chord is no call of its own (its members are steps), and a
             # mutable step's arguments start with its parent's result.
-            if step.get("subtask_type") or not step.get("immutable"):
-                continue
-            name = step.get("task")
-            task = app.tasks.get(name) if isinstance(name, str) else None
-            if not isinstance(task, LockedTask):
-                continue
-            try:
-                task._request_key(tuple(step.get("args") or ()), step.get("kwargs") or {})
-            except LockKeyError as exc:
-                raise LockKeyError(
-                    f"{exc.args[0]} (a later step, in the call's {option}: the call is not sent)",
-                    exc.task_name,
-                ) from exc
+            if not step.get("subtask_type") and step.get("immutable"):
+                where = f"a later step, in the call's {option}: the call is not sent"
+                _check_step(app, step, where)
+
+
+def check_canvas(signature: Mapping[str, Any], app: Celery | None = None) -> None:
+    """Derive, before the caller applies ``signature``, the request key of every
+    :class:`~celery_lock.LockedTask` step whose arguments are fixed, as its worker would: each
+    member of a group or of a chord's header, and the first step of a chain, as they stand in
+    ``signature``; and every immutable step (``.si()``), wherever it is.
+
+    Celery publishes a group's members one by one, each checked as it is sent, so a refused
+    member leaves the members before it published and running. Checked first, the group is
+    refused whole::
+
+        job = group(process.s(idx) for idx in request_ids)
+        check_canvas(job)  # LockKeyError, and nothing is sent
+        job.apply_async()
+
+    A mutable step after another (a chain's next step, a chord's body, a callback) gets its
+    parent's result first: it is left to the worker. Arguments given when the canvas is applied
+    (``job.apply_async(args)``) are not in ``signature``: not checked.
+
+    Args:
+        signature: the canvas (or a single signature, as a ``Signature`` or a dict).
+        app: the app whose task registry names the steps' tasks; default: the signature's.
+
+    Raises:
+        LockKeyError: naming the first such step's task, whose arguments yield no request key.
+
+    .. versionadded:: 0.2.0
+    """
+    if app is None:
+        from celery import current_app  # noqa: PLC0415 - for a dict, which names no app
+
+        app = getattr(signature, "app", None) or current_app
+    for step in _fixed_steps(signature, fixed=True, seen=set()):
+        _check_step(app, step, "checked before the canvas is applied: nothing is sent")
+
+
+def _check_step(app: Celery, step: Mapping[str, Any], where: str) -> None:
+    """Derive the request key of ``step`` if it calls a :class:`~celery_lock.LockedTask` of
+    ``app``; a refusal names ``where`` the step is."""
+    from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
+
+    name = step.get("task")
+    task = app.tasks.get(name) if isinstance(name, str) else None
+    if not isinstance(task, LockedTask):
+        return
+    try:
+        task._request_key(tuple(step.get("args") or ()), step.get("kwargs") or {})
+    except LockKeyError as exc:
+        raise LockKeyError(f"{exc.args[0]} ({where})", exc.task_name) from exc
+
+
+def _fixed_steps(value: Any, fixed: bool, seen: set[int]) -> Iterator[Mapping[str, Any]]:
+    """The calls in ``value`` (a signature, a dict or an iterable of them) whose arguments are
+    fixed: ``fixed`` ones (a member of a group the caller applies, a chain's first step) and
+    immutable ones; a step after another, or a callback, is ``fixed`` no more."""
+    if isinstance(value, Iterable) and not isinstance(value, Mapping | str | bytes):
+        for item in value:  # a list, a tuple, or the regen of a group made from a generator
+            yield from _fixed_steps(item, fixed, seen)
+        return
+    if not isinstance(value, Mapping) or id(value) in seen:
+        return
+    seen.add(id(value))
+    kind, kwargs = value.get("subtask_type"), value.get("kwargs") or {}
+    if kind == "group":
+        yield from _fixed_steps(kwargs.get("tasks"), fixed, seen)
+    elif kind == "chain":
+        first, *rest = list(kwargs.get("tasks") or ()) or [None]
+        yield from _fixed_steps(first, fixed, seen)
+        yield from _fixed_steps(rest, False, seen)
+    elif kind == "chord":
+        yield from _fixed_steps(kwargs.get("header"), fixed, seen)
+        yield from _fixed_steps(kwargs.get("body"), False, seen)
+    elif fixed or value.get("immutable"):
+        yield value
+    options = value.get("options") or {}
+    for option in STEP_OPTIONS:
+        yield from _fixed_steps(options.get(option), False, seen)
 
 
 def _signatures(value: Any, seen: set[int]) -> Iterator[Mapping[str, Any]]:

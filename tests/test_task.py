@@ -37,6 +37,7 @@ from celery_lock import (
     LockLostError,
     LockStoreUnavailableError,
     ResultUnavailableError,
+    check_canvas,
     follow,
     install,
     is_skipped,
@@ -912,6 +913,65 @@ def test_a_chord_header_member_refused_at_publish_leaves_a_chord_that_never_ends
     assert finished("second-member").wait(TIMEOUT)
     # A member's chord-part return, which would send the body, comes before its postrun.
     assert published == ["t.process", "t.process"]
+
+
+@pytest.mark.parametrize("refused", REFUSED_GROUP_MEMBERS.values(), ids=list(REFUSED_GROUP_MEMBERS))
+def test_check_canvas_refuses_a_group_whole_before_any_member_is_sent(
+    tasks: dict[str, Any], published: list[str], refused: Callable[[dict[str, Any]], Any]
+) -> None:
+    members = group(tasks["process"].si(1), tasks["process"].si(2), refused(tasks))
+    with pytest.raises(LockKeyError, match=r"^t\.process: .*request_idx.*nothing is sent"):
+        check_canvas(members)
+    assert published == []
+
+
+#: Canvases check_canvas refuses: each has one LockedTask step whose fixed arguments give no key.
+REFUSED_CANVASES: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "group-of-mutable-members": lambda t: group(t["process"].s(1), t["process"].s()),
+    "group-from-a-generator": lambda t: group(t["process"].s() for _ in range(2)),
+    "chain-s-first-step": lambda t: chain(t["process"].s(), t["nothing"].si()),
+    "chord-header": lambda t: chord([t["process"].s(1), t["process"].s()], t["nothing"].si()),
+    "chord-s-immutable-body": lambda t: chord([t["process"].s(1)], t["process"].si()),
+    "group-in-a-chain-s-first-step": lambda t: chain(
+        group(t["process"].s(1), t["process"].s(other=1)), t["nothing"].si()
+    ),
+    "a-single-signature": lambda t: t["process"].s(),
+    "the-signature-as-a-dict": lambda t: dict(t["process"].s()),
+}
+
+#: Canvases it lets through: every step's key derives, or a step gets its parent's result first.
+ACCEPTED_CANVASES: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "group": lambda t: group(t["process"].s(1), t["process"].si(2)),
+    "chain-s-later-mutable-step": lambda t: chain(t["process"].s(1), t["process"].s()),
+    "chord-s-mutable-body": lambda t: chord([t["process"].s(1)], t["process"].s()),
+    "a-plain-task": lambda t: t["nothing"].s(),
+}
+
+
+@pytest.mark.parametrize("canvas", REFUSED_CANVASES.values(), ids=list(REFUSED_CANVASES))
+def test_check_canvas_refuses_a_fixed_step_without_its_key(
+    tasks: dict[str, Any], published: list[str], canvas: Callable[[dict[str, Any]], Any]
+) -> None:
+    with pytest.raises(LockKeyError, match=r"^t\.process: .*request_idx"):
+        check_canvas(canvas(tasks), app=tasks["process"].app)
+    assert published == []
+
+
+@pytest.mark.parametrize("canvas", ACCEPTED_CANVASES.values(), ids=list(ACCEPTED_CANVASES))
+def test_check_canvas_lets_a_canvas_whose_fixed_steps_have_keys_through(
+    tasks: dict[str, Any], published: list[str], canvas: Callable[[dict[str, Any]], Any]
+) -> None:
+    check_canvas(canvas(tasks))
+    assert published == []
+
+
+def test_a_group_check_canvas_let_through_runs(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    job = group(tasks["process"].s(idx) for idx in (1, 2))
+    check_canvas(job)
+    assert job.apply_async().get(timeout=TIMEOUT) == ["processed 1", "processed 2"]
+    assert calls.count("t.process") == 2
 
 
 def test_a_later_step_given_its_key_is_published_and_runs(
