@@ -402,14 +402,19 @@ def test_scripts_replicate_their_effects_where_the_server_would_replicate_them_v
             first = new_token()
             fence = granted(acquire(store, first))
             assert store.release(lease_for(store, first, fence), success=False, done_ttl_ms=1)
-            token = new_token()
-            assert acquire(store, token) == Acquired(fence=fence + 1)
-            assert store.extend_all([lease_for(store, token, fence + 1)]) == [True]
+            # A lease no stall of a loaded machine outlives before it is read on the replica
+            # (with TTL_MS, 5 s, it had lapsed there once, in CI's oldest-releases leg).
+            ttl_ms, token = 600_000, new_token()
+            granted_again = store.acquire(KEYS, token, ttl_ms, HOLDER, FENCE_TTL_MS)
+            assert granted_again == Acquired(fence=fence + 1)
+            lease = Lease(store, KEYS, token, ttl_ms, fence + 1, HOLDER)
+            assert store.extend_all([lease]) == [True]
         finally:
             store.close()
         _replicated(writes, copy)
+        assert copy.get(KEYS.lock) is not None
         assert copy.get(KEYS.lock) == writes.get(KEYS.lock)
         assert copy.get(KEYS.fence) == str(fence + 1).encode()
-        assert 0 < copy.pttl(KEYS.lock) <= TTL_MS
+        assert 0 < copy.pttl(KEYS.lock) <= ttl_ms
         assert 0 < copy.pttl(KEYS.fence) <= FENCE_TTL_MS
         copy.replicaof("no", "one")
