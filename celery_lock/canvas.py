@@ -54,14 +54,12 @@ def check_later_steps(app: Celery, options: Mapping[str, Any]) -> None:
         # is not ready, and reading it would raise ("Contract breach: app not finalized"),
         # refusing a call Celery sends. Its steps are left to the worker, as unregistered ones.
         return
-    seen: set[int] = set()
+    seen: set[int] = set()  # each signature once, as a chain's link_error is on each step
     for option in STEP_OPTIONS:
-        for step in _signatures(options.get(option), seen):
-            # A group, chain or chord is no call of its own (its members are steps), and a
-            # mutable step's arguments start with its parent's result.
-            if not step.get("subtask_type") and step.get("immutable"):
-                where = f"a later step, in the call's {option}: the call is not sent"
-                _check_step(app, step, where)
+        # Not fixed: a mutable step's arguments start with its parent's result.
+        for step in _fixed_steps(options.get(option), fixed=False, seen=seen):
+            where = f"a later step, in the call's {option}: the call is not sent"
+            _check_step(app, step, where)
 
 
 def check_canvas(signature: Mapping[str, Any], app: Celery | None = None) -> None:
@@ -118,6 +116,8 @@ def _fixed_steps(value: Any, fixed: bool, seen: set[int]) -> Iterator[Mapping[st
     """The calls in ``value`` (a signature, a dict or an iterable of them) whose arguments are
     fixed: ``fixed`` ones (a member of a group the caller applies, a chain's first step) and
     immutable ones; a step after another, or a callback, is ``fixed`` no more."""
+    if value is None:  # the usual publish option: answered before the ABC checks below
+        return
     if isinstance(value, Iterable) and not isinstance(value, Mapping | str | bytes):
         for item in value:  # a list, a tuple, or the regen of a group made from a generator
             yield from _fixed_steps(item, fixed, seen)
@@ -140,26 +140,3 @@ def _fixed_steps(value: Any, fixed: bool, seen: set[int]) -> Iterator[Mapping[st
     options = value.get("options") or {}
     for option in STEP_OPTIONS:
         yield from _fixed_steps(options.get(option), False, seen)
-
-
-def _signatures(value: Any, seen: set[int]) -> Iterator[Mapping[str, Any]]:
-    """Every signature in ``value`` (a signature, as a ``Signature`` or a dict, or a list of
-    them), with those nested in groups, chains, chords and in their options; each object once
-    (``seen``), as a chain's ``link_error`` is set on each of its steps."""
-    if isinstance(value, list | tuple):
-        for item in value:
-            yield from _signatures(item, seen)
-        return
-    if not isinstance(value, Mapping) or id(value) in seen:
-        return
-    seen.add(id(value))
-    yield value
-    kwargs = value.get("kwargs") or {}
-    if value.get("subtask_type") in ("group", "chain"):
-        yield from _signatures(kwargs.get("tasks"), seen)
-    elif value.get("subtask_type") == "chord":
-        yield from _signatures(kwargs.get("header"), seen)
-        yield from _signatures(kwargs.get("body"), seen)
-    options = value.get("options") or {}
-    for option in STEP_OPTIONS:
-        yield from _signatures(options.get(option), seen)
