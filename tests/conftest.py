@@ -276,9 +276,8 @@ def hold(
     keys = task.request_keys((request_idx,), {})
     holder = Holder(task_id, task_name or task.name, "elsewhere", 1)
     token = new_token()
-    outcome = store.acquire(keys, token, 60_000, holder, 60_000)
-    assert isinstance(outcome, Acquired)
-    return Lease(store, keys, token, 60_000, outcome.fence, holder)
+    fence = granted(store.acquire(keys, token, 60_000, holder, 60_000))
+    return Lease(store, keys, token, 60_000, fence, holder)
 
 
 def settle(results: list[AsyncResult[Any]], timeout: float = 30.0) -> Counter[str]:

@@ -49,9 +49,8 @@ def take(store: LockStore, request: int, task_id: str, task: str = "storm.proces
     keys = RequestKeys.build("celery-lock", "storm.process", str(request), task)
     holder = Holder(task_id, task, "host-a", 4242)
     token = new_token()
-    outcome = store.acquire(keys, token, 30_000, holder, 60_000)
-    assert isinstance(outcome, Acquired)
-    return Lease(store, keys, token, 30_000, outcome.fence, holder)
+    fence = granted(store.acquire(keys, token, 30_000, holder, 60_000))
+    return Lease(store, keys, token, 30_000, fence, holder)
 
 
 def done_then_held_by_the_next_stage(store: LockStore, request: int) -> Lease:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import granted
 from programs import run_program
 
 from celery_lock import CeleryLockError
@@ -36,7 +37,7 @@ from celery_lock.fencing import (
     fenced_update,
 )
 from celery_lock.keys import RequestKeys
-from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.lease import Holder, Lease, new_token
 from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer, free_port
 
@@ -249,9 +250,7 @@ def test_newer_lease_holder_fences_off_the_one_that_paused(
 
     def grant(task_id: str) -> int:
         holder = Holder(task_id=task_id, task_name="shop.settle", host="h", pid=os.getpid())
-        outcome = store.acquire(keys, new_token(), 100, holder, 60_000)
-        assert isinstance(outcome, Acquired)
-        return outcome.fence
+        return granted(store.acquire(keys, new_token(), 100, holder, 60_000))
 
     fence_a = grant("A")
     time.sleep(0.3)  # A's lease lapses: no heartbeat extends it
@@ -689,11 +688,8 @@ def test_a_holder_paused_past_its_lease_is_fenced_off_whatever_the_done_ttl(
     def grant(task_id: str) -> Lease:
         holder = Holder(task_id=task_id, task_name="shop.tick", host="h", pid=os.getpid())
         token = new_token()
-        outcome = store.acquire(keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms)
-        assert isinstance(outcome, Acquired)
-        return Lease(
-            store, keys, token, settings.ttl_ms, outcome.fence, holder, settings.fence_ttl_ms
-        )
+        fence = granted(store.acquire(keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms))
+        return Lease(store, keys, token, settings.ttl_ms, fence, holder, settings.fence_ttl_ms)
 
     try:
         for earlier in ("r1", "r2"):  # earlier runs that failed: no done-marker

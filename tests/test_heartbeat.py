@@ -121,9 +121,8 @@ def refusing(name: str) -> Callable[[threading.Thread], None]:
 def _granted(store: LockStore, request_key: str, ttl_ms: int) -> Lease:
     keys = RequestKeys.build("celery-lock", "shop.process", request_key, "shop.process")
     token = new_token()
-    outcome = store.acquire(keys, token, ttl_ms, HOLDER, 60_000)
-    assert isinstance(outcome, Acquired)
-    return Lease(store, keys, token, ttl_ms, outcome.fence, HOLDER)
+    fence = granted(store.acquire(keys, token, ttl_ms, HOLDER, 60_000))
+    return Lease(store, keys, token, ttl_ms, fence, HOLDER)
 
 
 def test_short_leases_coming_and_going_do_not_starve_a_long_one(

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import redis
-from conftest import command_calls, granted, wait_for
+from conftest import command_calls, consecutive, granted, wait_for
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -82,11 +82,9 @@ def test_fence_increases_on_every_grant(lock_url: str) -> None:
     fences = []
     for _ in range(5):
         token = new_token()
-        outcome = acquire(store, token)
-        assert isinstance(outcome, Acquired)
-        fences.append(outcome.fence)
-        store.release(lease_for(store, token, outcome.fence), success=False, done_ttl_ms=1000)
-    assert fences == [fences[0] + n for n in range(5)]
+        fences.append(granted(acquire(store, token)))
+        store.release(lease_for(store, token, fences[-1]), success=False, done_ttl_ms=1000)
+    assert consecutive(fences)
 
 
 def test_successful_release_writes_done_marker(lock_url: str, lock_redis: redis.Redis) -> None:
@@ -349,11 +347,9 @@ def test_fences_of_one_request_keep_increasing_after_a_quiet_spell(
     fences = []
     for _ in range(2):
         token = new_token()
-        outcome = store.acquire(KEYS, token, 100, HOLDER, 200)
-        assert isinstance(outcome, Acquired)
-        fences.append(outcome.fence)
-        store.release(lease_for(store, token, outcome.fence), success=False, done_ttl_ms=100)
-    assert fences[1] == fences[0] + 1
+        fences.append(granted(store.acquire(KEYS, token, 100, HOLDER, 200)))
+        store.release(lease_for(store, token, fences[-1]), success=False, done_ttl_ms=100)
+    assert consecutive(fences)
     wait_for("the fence counter to lapse", lambda: not lock_redis.exists(KEYS.fence), 10)
     outcome = store.acquire(KEYS, new_token(), 100, HOLDER, 200)
     store.client.close()
