@@ -40,7 +40,7 @@ from .exceptions import ConfigurationError
 from .keys import stored_key_part
 from .lease import decode_lock
 from .runtime import lock_store_url
-from .store import reach
+from .store import client_for_url, reach
 
 __all__ = ["LeaseInfo", "lock"]
 
@@ -449,7 +449,7 @@ def _admin(ctx: click.Context) -> LockAdmin:
     assert options is not None
     url, prefix, setting = _store(app, options, bool(ctx.find_root().params.get("app")))
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
+        client = client_for_url(url, socket_connect_timeout=5, socket_timeout=10)
         reach(client)  # not PING, which a user allowed only what the scripts need may not send
     except redis.AuthenticationError as exc:  # NOAUTH, WRONGPASS: the URL's user or password
         raise click.ClickException(f"cannot log in to the lock store: {exc}") from exc

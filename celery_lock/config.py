@@ -19,6 +19,7 @@ import redis
 from redis import connection
 
 from .exceptions import ConfigurationError
+from .sentinel import SentinelURL, is_sentinel_url, sentinel_master_client
 
 __all__ = [
     "DUPLICATE_POLICIES",
@@ -51,14 +52,18 @@ def validate_redis_url(setting: str, url: str) -> str:
     ``redis:///0`` are localhost, and a query argument redis-py cannot read
     (``?socket_timeout=abc``) or cannot use (``?ssl_cert_reqs=CERT_REQUIRED``, ``?protocol=4``)
     is refused here instead of when the first task connects. So is ``?max_connections=1``:
-    the lock store keeps one connection for itself and the heartbeat needs another.
+    the lock store keeps one connection for itself and the heartbeat needs another. A
+    ``sentinel://`` URL is read as :class:`celery_lock.sentinel.SentinelURL` reads it.
     """
     if not isinstance(url, str) or not url:
         raise ConfigurationError(setting, f"expected a redis:// URL, got {url!r}")
+    if is_sentinel_url(url):
+        return _validate_sentinel_url(setting, url)
     scheme = urlsplit(url).scheme
     if scheme not in _REDIS_SCHEMES:
         raise ConfigurationError(
-            setting, f"expected a redis://, rediss:// or unix:// URL, got scheme {scheme!r}"
+            setting,
+            f"expected a redis://, rediss://, unix:// or sentinel:// URL, got scheme {scheme!r}",
         )
     try:
         options = _parse_redis_url(url)
@@ -81,6 +86,17 @@ def validate_redis_url(setting: str, url: str) -> str:
     return url
 
 
+def _validate_sentinel_url(setting: str, url: str) -> str:
+    try:
+        SentinelURL.parse(url)
+    except ValueError as exc:
+        raise ConfigurationError(setting, f"malformed sentinel URL: {exc}") from None
+    problem = _connection_problem(url)
+    if problem is not None:
+        raise ConfigurationError(setting, problem)
+    return url
+
+
 @lru_cache(maxsize=64)
 def _connection_problem(url: str) -> str | None:
     """What redis-py refuses when it builds a connection pool and a connection for ``url``;
@@ -92,7 +108,10 @@ def _connection_problem(url: str) -> str | None:
     package metadata (about half a millisecond).
     """
     try:
-        pool = redis.ConnectionPool.from_url(url)
+        if is_sentinel_url(url):
+            pool = sentinel_master_client(url).connection_pool
+        else:
+            pool = redis.ConnectionPool.from_url(url)
         pool.make_connection()
     except (redis.RedisError, ValueError, TypeError) as exc:
         # redis-py's message, never the URL itself: it may hold a password.

@@ -20,6 +20,7 @@ from celery import Celery
 from .config import LockSettings, validate_redis_url
 from .exceptions import ConfigurationError
 from .heartbeat import Heartbeat
+from .sentinel import is_sentinel_url
 from .store import LockStore
 
 __all__ = ["Runtime", "get_runtime", "lock_store_url", "reset_runtime"]
@@ -41,9 +42,13 @@ def first_broker_url(app: Celery) -> str:
 def lock_store_url(app: Celery, settings: LockSettings) -> str:
     """The lock store URL: ``celery_lock_redis_url``, else the broker URL when it is Redis
     (the first URL, where ``broker_url`` lists failover brokers; a ``rediss://`` one with the
-    options of ``broker_use_ssl``)."""
+    options of ``broker_use_ssl``; every sentinel of a ``sentinel://`` one, with the
+    ``master_name`` of ``broker_transport_options``)."""
     if settings.redis_url:
         return settings.redis_url
+    sentinels = _broker_sentinels(app)
+    if sentinels is not None:
+        return validate_redis_url("broker_url", _with_broker_master(app, sentinels))
     broker = _without_kombus_own_arguments(first_broker_url(app))
     scheme = broker.split("://", 1)[0]
     if scheme == "redis+socket":
@@ -149,6 +154,62 @@ def _query_value(value: Any) -> str:
     if isinstance(value, int):  # an IntEnum too (ssl.TLSVersion): its number
         return str(int(value))
     return str(value)
+
+
+def _broker_sentinels(app: Celery) -> str | None:
+    """The broker URL when it lists sentinels (``sentinel://a;sentinel://b``, or a list of
+    such URLs): all of them, ``;``-separated, as kombu asks each in turn; else ``None``."""
+    broker: Any = app.conf.broker_url or ""
+    if isinstance(broker, (list, tuple)):
+        broker = ";".join(str(url) for url in broker)
+    if not isinstance(broker, str) or not is_sentinel_url(broker):
+        return None
+    return _without_kombus_own_arguments(broker)
+
+
+def _with_broker_master(app: Celery, sentinels: str) -> str:
+    """A sentinel broker URL with what kombu reads from ``broker_transport_options`` to find
+    the master: ``master_name``, and the ``username`` and ``password`` of ``sentinel_kwargs``
+    (as ``sentinel_username`` and ``sentinel_password``)."""
+    options = app.conf.broker_transport_options or {}
+    if app.conf.broker_use_ssl:
+        raise ConfigurationError(
+            "celery_lock_redis_url",
+            "not set, and the broker is Redis Sentinel over TLS (broker_use_ssl), which the lock "
+            "store does not support: set it to a redis://, rediss:// or sentinel:// URL",
+        )
+    if not options.get("master_name") and "master_name=" not in sentinels:
+        raise ConfigurationError(
+            "broker_transport_options",
+            "the broker is Redis Sentinel, and no master_name says which master to use",
+        )
+    sentinel_kwargs = dict(options.get("sentinel_kwargs") or {})
+    others = sorted(
+        name
+        for name in sentinel_kwargs
+        if name not in ("username", "password") and not name.startswith("socket_")
+    )
+    if others:
+        raise ConfigurationError(
+            "celery_lock_redis_url",
+            f"not set, and the broker's sentinel_kwargs give {', '.join(others)}, which the lock "
+            "store does not read (only username and password): set it to the lock store's URL",
+        )
+    wanted = {
+        "master_name": options.get("master_name"),
+        "sentinel_username": sentinel_kwargs.get("username"),
+        "sentinel_password": sentinel_kwargs.get("password"),
+    }
+
+    def rewrite(pairs: _Query) -> _Query:
+        given = {name for name, _ in pairs}
+        return pairs + [
+            (name, str(value))
+            for name, value in wanted.items()
+            if value is not None and name not in given
+        ]
+
+    return _with_query(sentinels, rewrite)
 
 
 def _socket_broker_as_redis_url(broker: str) -> str:

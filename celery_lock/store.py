@@ -69,12 +69,14 @@ from .exceptions import LockStateError, LockStoreError, LockStoreUnavailableErro
 from .keys import RequestKeys
 from .lease import Acquired, Done, Held, Holder, Lease, Outcome, decode_lock
 from .scripts import Scripts
+from .sentinel import is_sentinel_url, sentinel_master_client
 
 __all__ = [
     "REFUSED_ERRORS",
     "TRANSIENT_ERRORS",
     "LockStore",
     "TransientReplyError",
+    "client_for_url",
     "is_transient_reply",
     "reply_code",
 ]
@@ -201,8 +203,12 @@ class LockStore:
         self.retry_deadline = retry_deadline
         #: ``run_id`` of the server last seen (``None`` until a connection has read it).
         self.run_id: str | None = None
-        #: How often the server was seen to restart (its ``run_id`` changed).
+        #: How often the server was seen to restart (its ``run_id`` changed, at its address).
         self.restarts = 0
+        #: How often another server was found serving the store (a new ``run_id`` at a new
+        #: address: a Sentinel failover).
+        self.failovers = 0
+        self._address: tuple[Any, Any] | None = None
         self._server_guard = threading.Lock()
         self._loaded: set[str] = set()
         # The connection acquire and release run on, held rather than checked out of the pool
@@ -216,13 +222,14 @@ class LockStore:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> LockStore:
-        """A store on a new client for ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
+        """A store on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://`` or
+        ``sentinel://``)."""
         # tenacity is the one retry layer: redis-py 8 would otherwise retry (with its own
         # backoff) inside every try, stretching a fail-closed decision to many seconds.
         # redis-py 8 caps a pool at 100 connections unless told otherwise: a gevent or threads
         # pool with more tasks in flight would fail the rest closed as if the server were down.
         # The URL's own ?max_connections= still wins.
-        client = redis.Redis.from_url(
+        client = client_for_url(
             url,
             socket_timeout=5,
             socket_connect_timeout=5,
@@ -264,7 +271,7 @@ class LockStore:
         except redis.ResponseError as exc:  # INFO denied by an ACL: run without the check
             logger.debug("celery-lock: cannot read the lock store's run_id: %s", exc)
             return
-        self._note_run_id(_parse_run_id(info))
+        self._note_run_id(_parse_run_id(info), _address_of_connection(connection))
 
     def check_server(self) -> None:
         """Read the server's ``run_id`` now (one round trip) and warn if it changed."""
@@ -274,14 +281,32 @@ class LockStore:
             return
         self._note_run_id(str(info.get("run_id") or "") or None)
 
-    def _note_run_id(self, run_id: str | None) -> None:
+    def _note_run_id(self, run_id: str | None, address: tuple[Any, Any] | None = None) -> None:
+        """Note the server's ``run_id`` (and the address it was read at, where known); warn
+        when it changed: a restart at the same address, a failover at another."""
         if run_id is None:
             return
         with self._server_guard:
             previous, self.run_id = self.run_id, run_id
+            moved = None not in (address, self._address) and address != self._address
+            if address is not None:
+                self._address = address
             if previous is None or previous == run_id:
                 return
-            self.restarts += 1
+            if moved:
+                self.failovers += 1
+            else:
+                self.restarts += 1
+        if moved:
+            logger.warning(
+                "celery-lock: the lock store %s is another server now (run_id %s -> %s), a "
+                "failover: what the old one had not replicated to it (leases, done-markers, fence "
+                "steps) is lost",
+                address_of(self.client),
+                previous,
+                run_id,
+            )
+            return
         logger.warning(
             "celery-lock: the lock store %s restarted (run_id %s -> %s): unless it persists its "
             "data, leases, done-markers and fence counters were lost (new counters start "
@@ -313,7 +338,7 @@ class LockStore:
         The connection is taken from the client's pool once and held: checking one out and back
         in per command costs redis-py about 40 µs of CPU, a third of a round trip's client-side
         cost (``bench/``). A command that fails short of a whole reply, whatever the exception,
-        leaves it disconnected, and the next one reconnects it (with the ``run_id`` check).
+        gives it back disconnected (:meth:`_drop_own`), and the next one checks one out again.
         Used by another thread meanwhile (the heartbeat handing leases back at shutdown), the
         command goes through the pool instead.
         """
@@ -339,10 +364,24 @@ class LockStore:
                 # raised between them (a signal handler: a soft time limit, SIGTERM's
                 # SystemExit). The reply would stay unread, and the next command on this held
                 # connection, which the pool never checks, would read it as its own.
-                connection.disconnect()
+                self._drop_own()
                 raise
         finally:
             self._own_guard.release()
+
+    def _drop_own(self) -> None:
+        """Disconnect the held connection and give it back to the pool; the caller holds
+        ``_own_guard``.
+
+        The next command checks out another, which the pool connects as it connects any: a
+        Sentinel pool asks the sentinels where the master is now. A connection left to
+        reconnect by itself, as redis-py's does when it next sends, would go back to the
+        address it had, a master that failed over.
+        """
+        connection, self._own = self._own, None
+        if connection is not None:
+            connection.disconnect()
+            self.client.connection_pool.release(connection)
 
     def _evalsha(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run ``script`` by ``EVALSHA``; after ``NOSCRIPT`` load it and run it once more (a
@@ -393,8 +432,7 @@ class LockStore:
             # the new primary and would lose a command on their way.
             if self._own_guard.acquire(blocking=False):
                 try:
-                    if self._own is not None:
-                        self._own.disconnect()
+                    self._drop_own()
                 finally:
                     self._own_guard.release()
             self.client.connection_pool.disconnect(inuse_connections=False)
@@ -699,12 +737,38 @@ def reach(client: redis.Redis) -> None:
 _ABSENT_SHA = "0" * 40
 
 
+def client_for_url(url: str, **options: Any) -> redis.Redis:
+    """A client for a lock store URL, ``options`` passed on to its connections: redis-py's
+    ``Redis.from_url`` for ``redis://``, ``rediss://`` and ``unix://``, and for
+    ``sentinel://`` a client of the master the sentinels name
+    (:func:`celery_lock.sentinel.sentinel_master_client`)."""
+    if is_sentinel_url(url):
+        return sentinel_master_client(url, **options)
+    client: redis.Redis = redis.Redis.from_url(url, **options)
+    return client
+
+
 def address_of(client: redis.Redis) -> str:
-    """Where ``client`` connects, for messages: ``host:port`` or ``unix://path``."""
-    kwargs = client.connection_pool.connection_kwargs
+    """Where ``client`` connects, for messages: ``host:port``, ``unix://path``, or for a
+    sentinel master ``master <name> at host:port`` (where it was last found)."""
+    pool = client.connection_pool
+    service = getattr(pool, "service_name", None)
+    if service is not None:  # redis-py's SentinelConnectionPool
+        found = getattr(pool, "master_address", None)
+        where = f" at {found[0]}:{found[1]}" if found else ""
+        return f"master {service}{where}"
+    kwargs = pool.connection_kwargs
     if "path" in kwargs:
         return f"unix://{kwargs['path']}"
     return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+
+
+def _address_of_connection(connection: Any) -> tuple[Any, Any] | None:
+    """Where a connection is connected: ``(host, port)``, ``(path, None)`` for a unix socket."""
+    if getattr(connection, "path", None):
+        return (connection.path, None)
+    host = getattr(connection, "host", None)
+    return None if host is None else (host, getattr(connection, "port", None))
 
 
 def _parse_run_id(info: Any) -> str | None:

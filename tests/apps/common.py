@@ -27,11 +27,13 @@ def worker_test_app(name: str, prefix: str, **conf: Any) -> Celery:
 
     app = Celery(name, broker=env_url(prefix, "BROKER", 0), backend=env_url(prefix, "BACKEND", 1))
     app.conf.update(
-        celery_lock_redis_url=env_url(prefix, "LOCK", 2),
-        worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        result_expires=3600,
-        **conf,
+        {
+            "celery_lock_redis_url": env_url(prefix, "LOCK", 2),
+            "worker_prefetch_multiplier": 1,
+            "broker_connection_retry_on_startup": True,
+            "result_expires": 3600,
+            **conf,  # any of the above too (celery_lock_redis_url None: the broker's)
+        }
     )
     celery_lock.install(app)
     return app

@@ -1,0 +1,323 @@
+"""A lock store behind Redis Sentinel: ``sentinel://`` URLs, the broker's sentinels, a failover.
+
+Real servers: a master, its replica and a ``redis-server --sentinel`` watching them, each on a
+free port and stopped by pid at the end of its test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from conftest import granted, wait_for
+from test_cli import celery_lock_cli
+from test_storm import run_storm
+
+from celery_lock.config import LockSettings, validate_redis_url
+from celery_lock.exceptions import ConfigurationError
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import Held, Holder, new_token
+from celery_lock.runtime import lock_store_url
+from celery_lock.sentinel import SentinelURL
+from celery_lock.store import LockStore, address_of
+from celery_lock.testing import CeleryWorker, RedisServer, find_redis_server, free_port
+
+MASTER_NAME = "locks"
+HOLDER = Holder("task-1", "shop.charge", "host-a", 4242)
+
+
+class SentinelProcess:
+    """``redis-server <conf> --sentinel`` watching one master as ``locks`` with a quorum of one,
+    quick to call it down (1 s), in a directory of its own (a sentinel rewrites its config)."""
+
+    def __init__(self, master: RedisServer) -> None:
+        self.port = free_port()
+        self._dir = tempfile.TemporaryDirectory(prefix="celery-lock-sentinel-")
+        conf = Path(self._dir.name, "sentinel.conf")
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self._dir.name}\nlogfile sentinel.log\n"
+            f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master.port} 1\n"
+            f"sentinel down-after-milliseconds {MASTER_NAME} 1000\n"
+            f"sentinel failover-timeout {MASTER_NAME} 5000\n"
+        )
+        self._proc = subprocess.Popen(
+            [find_redis_server(), str(conf), "--sentinel"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        self.client = redis.Redis(port=self.port, socket_timeout=2)
+
+    def master_port(self) -> int:
+        _, port = self.client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER_NAME)
+        return int(port)
+
+    def knows_a_replica(self) -> bool:
+        """Whether it knows a replica fit to promote: seen up and linked to the master (until
+        then ``SENTINEL FAILOVER`` answers ``NOGOODSLAVE``)."""
+        try:
+            replicas = self.client.execute_command("SENTINEL", "REPLICAS", MASTER_NAME)
+        except redis.RedisError:
+            return False
+        return any(
+            fields.get("flags") == "slave" and fields.get("master-link-status") == "ok"
+            for fields in map(_fields, replicas)
+        )
+
+    def stop(self) -> None:
+        self.client.close()
+        if self._proc.poll() is None:
+            os.kill(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.kill(self._proc.pid, signal.SIGKILL)
+                self._proc.wait(5)
+        self._dir.cleanup()
+
+
+def _fields(reply: Any) -> dict[str, str]:
+    """One instance of a ``SENTINEL REPLICAS`` reply as text, however this redis-py parsed it:
+    a flat list of names and values, or a dict (its flags a set, in some releases)."""
+    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+
+    def text(value: Any) -> str:
+        if isinstance(value, (set, frozenset)):
+            return ",".join(sorted(map(text, value)))
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    return {text(name): text(value) for name, value in pairs}
+
+
+class Group:
+    """A master, its replica and a sentinel."""
+
+    def __init__(self) -> None:
+        self.master = RedisServer()
+        self.replica = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(self.master.port)])
+        self.sentinel: SentinelProcess | None = None
+        try:
+            self.master.start()
+            self.replica.start()
+            with self.replica.client() as replica:
+                wait_for("the replica to sync", lambda: replica.info("replication").get(
+                    "master_link_status") == "up")  # fmt: skip
+            self.sentinel = SentinelProcess(self.master)
+            wait_for("the sentinel to know the replica", self.sentinel.knows_a_replica)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def watcher(self) -> SentinelProcess:
+        assert self.sentinel is not None
+        return self.sentinel
+
+    def url(self, db: int = 2) -> str:
+        return f"sentinel://127.0.0.1:{self.watcher.port}/{db}?master_name={MASTER_NAME}"
+
+    def stop(self) -> None:
+        if self.sentinel is not None:
+            self.sentinel.stop()
+        self.replica.stop()
+        self.master.stop()
+
+
+@pytest.fixture
+def group() -> Iterator[Group]:
+    started = Group()
+    yield started
+    started.stop()
+
+
+def keys(request: str) -> RequestKeys:
+    return RequestKeys.build("celery-lock", "shop.charge", request, "shop.charge")
+
+
+# -- URLs ---------------------------------------------------------------------------------------
+
+
+def test_a_sentinel_url_is_read_as_kombu_reads_a_sentinel_broker() -> None:
+    url = (
+        "sentinel://:s%3Bcret@10.0.0.1:26380/2;sentinel://10.0.0.2;"
+        "sentinel://10.0.0.3:26381?master_name=locks&sentinel_password=watch"
+    )
+    read = SentinelURL.parse(url)
+    assert read.sentinels == (("10.0.0.1", 26380), ("10.0.0.2", 26379), ("10.0.0.3", 26381))
+    assert (read.master_name, read.db, read.username, read.password) == ("locks", 2, None, "s;cret")
+    assert (read.sentinel_username, read.sentinel_password) == (None, "watch")
+    assert validate_redis_url("celery_lock_redis_url", url) == url
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("sentinel://10.0.0.1:26379", "names no master: add ?master_name="),
+        ("sentinel://10.0.0.1?master_name=", "names no master"),
+        ("sentinel://10.0.0.1?master_name=a&db=2", "unknown query argument 'db'"),
+        ("sentinel://10.0.0.1?master_name=a&master_name=b", "given more than once"),
+        ("sentinel://10.0.0.1;sentinel://:pw@10.0.0.2?master_name=a", "sentinel 2 gives a user"),
+        ("sentinel://10.0.0.1;sentinel://10.0.0.2/3?master_name=a", "give them on the first"),
+        ("sentinel://10.0.0.1/locks?master_name=a", "database 'locks' is not a number"),
+        ("sentinel://10.0.0.1:port?master_name=a", "sentinel 1 has a port that is no number"),
+        ("sentinel://:pw@/0?master_name=a", "sentinel 1 names no host"),
+        ("sentinel://10.0.0.1;redis://10.0.0.2?master_name=a", "part 2 of the sentinel list"),
+    ],
+)
+def test_a_malformed_sentinel_url_is_refused_with_what_is_wrong(url: str, problem: str) -> None:
+    with pytest.raises(ConfigurationError, match="malformed sentinel URL") as refused:
+        validate_redis_url("celery_lock_redis_url", url)
+    assert problem in str(refused.value)
+    assert "pw" not in str(refused.value)
+
+
+def broker_app(broker: Any, **conf: Any) -> Celery:
+    app = Celery("sentinel_broker", broker=broker, set_as_current=False)
+    app.conf.update(conf)
+    return app
+
+
+def test_the_brokers_sentinels_and_master_name_give_the_lock_store_when_no_url_is_set() -> None:
+    app = broker_app(
+        ["sentinel://:pw@10.0.0.1:26379/4", "sentinel://10.0.0.2:26379?heartbeat=10"],
+        broker_transport_options={
+            "master_name": "queues",
+            "sentinel_kwargs": {"password": "watch", "socket_timeout": 1},
+        },
+    )
+    url = lock_store_url(app, LockSettings())
+    assert url == (
+        "sentinel://:pw@10.0.0.1:26379/4;sentinel://10.0.0.2:26379"
+        "?master_name=queues&sentinel_password=watch"
+    )
+    read = SentinelURL.parse(url)
+    assert (read.master_name, read.db, read.password, read.sentinel_password) == (
+        "queues", 4, "pw", "watch")  # fmt: skip
+    # celery_lock_redis_url still wins.
+    assert lock_store_url(app, LockSettings(redis_url="redis://elsewhere/2")) == (
+        "redis://elsewhere/2"
+    )
+
+
+@pytest.mark.parametrize(
+    ("conf", "setting", "problem"),
+    [
+        ({}, "broker_transport_options", "no master_name"),
+        (
+            {"broker_transport_options": {"master_name": "q", "sentinel_kwargs": {"ssl": True}}},
+            "celery_lock_redis_url",
+            "sentinel_kwargs give ssl",
+        ),
+        (
+            {"broker_transport_options": {"master_name": "q"}, "broker_use_ssl": {"a": 1}},
+            "celery_lock_redis_url",
+            "over TLS",
+        ),
+    ],
+)
+def test_a_sentinel_broker_the_lock_store_cannot_follow_is_refused(
+    conf: dict[str, Any], setting: str, problem: str
+) -> None:
+    app = broker_app("sentinel://10.0.0.1:26379", **conf)
+    with pytest.raises(ConfigurationError, match=setting) as refused:
+        lock_store_url(app, LockSettings())
+    assert problem in str(refused.value)
+
+
+# -- real servers -------------------------------------------------------------------------------
+
+
+def test_a_lease_taken_through_the_sentinel_lives_on_its_master(group: Group) -> None:
+    store = LockStore.from_url(group.url())
+    try:
+        token = new_token()
+        granted(store.acquire(keys("1"), token, 60_000, HOLDER, 60_000))
+        assert address_of(store.client) == f"master {MASTER_NAME} at 127.0.0.1:{group.master.port}"
+        with group.master.client(2) as master:
+            assert master.get(keys("1").lock).startswith(token.encode())
+        assert isinstance(store.acquire(keys("1"), new_token(), 60_000, HOLDER, 60_000), Held)
+    finally:
+        store.close()
+
+
+def test_after_a_failover_the_store_follows_the_sentinel_to_the_new_master(
+    group: Group, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="celery_lock.store")
+    store = LockStore.from_url(group.url())
+    try:
+        token = new_token()
+        first = granted(store.acquire(keys("1"), token, 60_000, HOLDER, 60_000))
+        with group.replica.client(2) as replica:
+            wait_for("the lease to reach the replica", lambda: replica.exists(keys("1").lock))
+
+        group.watcher.client.execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
+        wait_for("the replica to be promoted", lambda: group.watcher.master_port() == (
+            group.replica.port))  # fmt: skip
+        # The sentinel demotes the old master once it reads its INFO again (every 10 s); until
+        # then it takes writes, as any Redis does in a failover (semantics.md).
+        with group.master.client() as old:
+            wait_for("the old master to be demoted", lambda: old.info("replication")[
+                "role"] == "slave")  # fmt: skip
+
+        # The held connection meets READONLY; the next try asks the sentinel again.
+        second = granted(store.acquire(keys("2"), new_token(), 60_000, HOLDER, 60_000))
+        assert address_of(store.client).endswith(f"127.0.0.1:{group.replica.port}")
+        with group.replica.client(2) as new_master:
+            assert new_master.exists(keys("2").lock)
+        # The lease taken before the failover holds on the new master.
+        assert isinstance(store.acquire(keys("1"), new_token(), 60_000, HOLDER, 60_000), Held)
+        assert second != first
+        assert (store.failovers, store.restarts) == (1, 0)
+        [warning] = [r.getMessage() for r in caplog.records if "another server" in r.getMessage()]
+        assert f"127.0.0.1:{group.replica.port}" in warning
+        assert "a failover" in warning
+    finally:
+        store.close()
+
+
+def test_celery_lock_ls_reads_the_store_through_its_sentinel(group: Group) -> None:
+    store = LockStore.from_url(group.url())
+    try:
+        granted(store.acquire(keys("7"), new_token(), 60_000, HOLDER, 60_000))
+    finally:
+        store.close()
+    done = celery_lock_cli({}, "--url", group.url(), "ls")
+    assert done.returncode == 0, done.stderr
+    assert keys("7").lock in done.stdout
+
+
+@pytest.mark.worker
+def test_a_storm_through_a_sentinel_broker_runs_each_request_once(
+    group: Group,
+    spawn_worker: Callable[..., CeleryWorker],
+    make_producer: Callable[..., Celery],
+    worker_env: dict[str, str],
+) -> None:
+    """The worker's broker is the sentinel's master, and its lock store is found from the
+    broker's URL and ``broker_transport_options`` (``celery_lock_redis_url`` unset)."""
+    options = {"master_name": MASTER_NAME}
+    env = {
+        **worker_env,
+        "STORM_BROKER_URL": f"sentinel://127.0.0.1:{group.watcher.port}/0",  # kombu's form
+        "STORM_BACKEND_URL": group.master.url_for(1),
+        "STORM_RECORD_URL": group.master.url_for(3),
+        "STORM_CONF": json.dumps(
+            {"celery_lock_redis_url": None, "broker_transport_options": options}
+        ),
+    }
+    spawn_worker("tests.apps.storm_app", env, concurrency=2)
+    producer = make_producer(env["STORM_BROKER_URL"], env["STORM_BACKEND_URL"])
+    producer.conf.broker_transport_options = options
+    run_storm(producer, env)
+    with group.master.client(0) as master:  # the broker's database, where the leases live too
+        assert master.keys("celery-lock:*:done:storm.process")
