@@ -24,9 +24,9 @@ from test_cli import celery_lock_cli
 from test_storm import run_storm
 
 from celery_lock.config import LockSettings, validate_redis_url
-from celery_lock.exceptions import ConfigurationError
+from celery_lock.exceptions import ConfigurationError, LockStoreUnavailableError
 from celery_lock.keys import RequestKeys
-from celery_lock.lease import Held, Holder, new_token
+from celery_lock.lease import Held, Holder, Lease, new_token
 from celery_lock.runtime import lock_store_url
 from celery_lock.sentinel import SentinelURL
 from celery_lock.store import LockStore, address_of
@@ -141,6 +141,14 @@ def group() -> Iterator[Group]:
 
 def keys(request: str) -> RequestKeys:
     return RequestKeys.build("celery-lock", "shop.charge", request, "shop.charge")
+
+
+def grant_or_none(store: LockStore, request: RequestKeys) -> int | None:
+    """The fence of a grant of ``request``; ``None`` while the store is unavailable."""
+    try:
+        return granted(store.acquire(request, new_token(), 60_000, HOLDER, 60_000))
+    except LockStoreUnavailableError:
+        return None
 
 
 # -- URLs ---------------------------------------------------------------------------------------
@@ -281,6 +289,39 @@ def test_after_a_failover_the_store_follows_the_sentinel_to_the_new_master(
         [warning] = [r.getMessage() for r in caplog.records if "another server" in r.getMessage()]
         assert f"127.0.0.1:{group.replica.port}" in warning
         assert "a failover" in warning
+    finally:
+        store.close()
+
+
+def test_a_killed_master_fails_calls_as_unavailable_until_the_sentinel_promotes_its_replica(
+    group: Group,
+) -> None:
+    store = LockStore.from_url(group.url())
+    try:
+        token = new_token()
+        fence = granted(store.acquire(keys("1"), token, 60_000, HOLDER, 60_000))
+        lease = Lease(store, keys("1"), token, 60_000, fence, HOLDER, 60_000)
+        with group.master.client() as master:
+            assert master.wait(1, 5_000) == 1  # the lease is on the replica
+
+        group.master.kill()
+        # Until the sentinel calls the master down (1 s) and promotes the replica, a call
+        # fails as "not now", which a task meets as a deferral (fail closed).
+        with pytest.raises(LockStoreUnavailableError):
+            store.acquire(keys("2"), new_token(), 60_000, HOLDER, 60_000)
+
+        wait_for("the replica to be promoted", lambda: group.watcher.master_port() == (
+            group.replica.port))  # fmt: skip
+        # The connection lost with the old master is not reconnected to its address: a later
+        # call (a deferred copy's) asks the sentinel again, once it names a master that is up,
+        # and the heartbeat's extend reaches the new master as well.
+        wait_for("a grant on the new master", lambda: grant_or_none(store, keys("2")))
+        assert address_of(store.client).endswith(f"127.0.0.1:{group.replica.port}")
+        assert store.extend_all([lease]) == [True]
+        store.release(lease, success=True, done_ttl_ms=60_000)
+        with group.replica.client(2) as new_master:
+            assert new_master.exists(keys("1").done)
+            assert not new_master.exists(keys("1").lock)
     finally:
         store.close()
 
