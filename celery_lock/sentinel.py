@@ -133,7 +133,9 @@ def sentinel_master_client(url: str, **options: Any) -> redis.Redis:
         sentinel_options["username"] = target.sentinel_username
     if target.sentinel_password is not None:
         sentinel_options["password"] = target.sentinel_password
-    manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
+    manager = Sentinel(  # type: ignore[no-untyped-call]
+        list(target.sentinels), sentinel_kwargs=sentinel_options
+    )
     client: redis.Redis = manager.master_for(  # type: ignore[no-untyped-call]
         target.master_name,
         db=target.db,
