@@ -24,7 +24,7 @@ from test_cli import celery_lock_cli
 from test_storm import run_storm
 
 from celery_lock.config import LockSettings, validate_redis_url
-from celery_lock.exceptions import ConfigurationError, LockStoreUnavailableError
+from celery_lock.exceptions import ConfigurationError, LockStoreError, LockStoreUnavailableError
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Held, Holder, Lease, new_token
 from celery_lock.runtime import lock_store_url
@@ -40,7 +40,7 @@ class SentinelProcess:
     """``redis-server <conf> --sentinel`` watching one master as ``locks`` with a quorum of one,
     quick to call it down (1 s), in a directory of its own (a sentinel rewrites its config)."""
 
-    def __init__(self, master: RedisServer) -> None:
+    def __init__(self, master: RedisServer, password: str | None = None) -> None:
         self.port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="celery-lock-sentinel-")
         conf = Path(self._dir.name, "sentinel.conf")
@@ -49,13 +49,15 @@ class SentinelProcess:
             f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master.port} 1\n"
             f"sentinel down-after-milliseconds {MASTER_NAME} 1000\n"
             f"sentinel failover-timeout {MASTER_NAME} 5000\n"
+            + (f"sentinel auth-pass {MASTER_NAME} {master.password}\n" if master.password else "")
+            + (f"requirepass {password}\n" if password else "")
         )
         self._proc = subprocess.Popen(
             [find_redis_server(), str(conf), "--sentinel"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
-        self.client = redis.Redis(port=self.port, socket_timeout=2)
+        self.client = redis.Redis(port=self.port, password=password, socket_timeout=2)
 
     def master_port(self) -> int:
         _, port = self.client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER_NAME)
@@ -99,11 +101,16 @@ def _fields(reply: Any) -> dict[str, str]:
 
 
 class Group:
-    """A master, its replica and a sentinel."""
+    """A master, its replica and a sentinel; with ``password``, the master and the replica
+    require it, and with ``sentinel_password``, the sentinel requires that."""
 
-    def __init__(self) -> None:
-        self.master = RedisServer()
-        self.replica = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(self.master.port)])
+    def __init__(self, password: str | None = None, sentinel_password: str | None = None) -> None:
+        auth = ["--requirepass", password, "--masterauth", password] if password else []
+        self.master = RedisServer(extra_args=auth)
+        self.replica = RedisServer(
+            extra_args=["--replicaof", "127.0.0.1", str(self.master.port), *auth]
+        )
+        self.sentinel_password = sentinel_password
         self.sentinel: SentinelProcess | None = None
         try:
             self.master.start()
@@ -111,7 +118,7 @@ class Group:
             with self.replica.client() as replica:
                 wait_for("the replica to sync", lambda: replica.info("replication").get(
                     "master_link_status") == "up")  # fmt: skip
-            self.sentinel = SentinelProcess(self.master)
+            self.sentinel = SentinelProcess(self.master, sentinel_password)
             wait_for("the sentinel to know the replica", self.sentinel.knows_a_replica)
         except BaseException:
             self.stop()
@@ -123,7 +130,12 @@ class Group:
         return self.sentinel
 
     def url(self, db: int = 2) -> str:
-        return f"sentinel://127.0.0.1:{self.watcher.port}/{db}?master_name={MASTER_NAME}"
+        """The lock store URL of database ``db`` of the master, with both passwords."""
+        auth = f":{self.master.password}@" if self.master.password else ""
+        query = f"?master_name={MASTER_NAME}"
+        if self.sentinel_password:
+            query += f"&sentinel_password={self.sentinel_password}"
+        return f"sentinel://{auth}127.0.0.1:{self.watcher.port}/{db}{query}"
 
     def stop(self) -> None:
         if self.sentinel is not None:
@@ -324,6 +336,29 @@ def test_a_killed_master_fails_calls_as_unavailable_until_the_sentinel_promotes_
             assert not new_master.exists(keys("1").lock)
     finally:
         store.close()
+
+
+def test_the_master_and_the_sentinel_are_each_logged_in_to_with_their_own_password() -> None:
+    guarded = Group(password="master-secret", sentinel_password="sentinel-secret")
+    stores: list[LockStore] = []
+    try:
+        stores.append(store := LockStore.from_url(guarded.url()))
+        granted(store.acquire(keys("1"), new_token(), 60_000, HOLDER, 60_000))
+        # Without the sentinel's password no sentinel names a master: "not now", as when none
+        # is reachable.
+        unasked = guarded.url().replace("&sentinel_password=sentinel-secret", "")
+        stores.append(store := LockStore.from_url(unasked, retry_deadline=0.2))
+        with pytest.raises(LockStoreUnavailableError, match="No master found"):
+            store.acquire(keys("2"), new_token(), 60_000, HOLDER, 60_000)
+        # A wrong password of the master's is refused for good.
+        wrong = guarded.url().replace("master-secret", "wrong")
+        stores.append(store := LockStore.from_url(wrong))
+        with pytest.raises(LockStoreError, match="check the user and password"):
+            store.acquire(keys("2"), new_token(), 60_000, HOLDER, 60_000)
+    finally:
+        for opened in stores:
+            opened.close()
+        guarded.stop()
 
 
 def test_celery_lock_ls_reads_the_store_through_its_sentinel(group: Group) -> None:
