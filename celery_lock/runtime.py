@@ -178,7 +178,7 @@ def _with_broker_master(app: Celery, sentinels: str) -> str:
             "not set, and the broker is Redis Sentinel over TLS (broker_use_ssl), which the lock "
             "store does not support: set it to a redis://, rediss:// or sentinel:// URL",
         )
-    if not options.get("master_name") and "master_name=" not in sentinels:
+    if not options.get("master_name"):
         raise ConfigurationError(
             "broker_transport_options",
             "the broker is Redis Sentinel, and no master_name says which master to use",
