@@ -169,8 +169,8 @@ def _broker_sentinels(app: Celery) -> str | None:
 
 def _with_broker_master(app: Celery, sentinels: str) -> str:
     """A sentinel broker URL with what kombu reads from ``broker_transport_options`` to find
-    the master: ``master_name``, and the ``username`` and ``password`` of ``sentinel_kwargs``
-    (as ``sentinel_username`` and ``sentinel_password``)."""
+    the master: ``master_name``, ``min_other_sentinels``, and the ``username`` and
+    ``password`` of ``sentinel_kwargs`` (as ``sentinel_username`` and ``sentinel_password``)."""
     options = app.conf.broker_transport_options or {}
     if app.conf.broker_use_ssl:
         raise ConfigurationError(
@@ -199,6 +199,7 @@ def _with_broker_master(app: Celery, sentinels: str) -> str:
         "master_name": options.get("master_name"),
         "sentinel_username": sentinel_kwargs.get("username"),
         "sentinel_password": sentinel_kwargs.get("password"),
+        "min_other_sentinels": options.get("min_other_sentinels"),
     }
 
     def rewrite(pairs: _Query) -> _Query:

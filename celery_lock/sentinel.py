@@ -9,9 +9,11 @@ A sentinel URL lists the sentinels, ``;``-separated, and names the master they w
 
 The user, password and database are those of the master (as kombu reads them from a sentinel
 broker URL), given on the first sentinel; ``?sentinel_username=`` and ``?sentinel_password=``
-log in to the sentinels themselves. When ``celery_lock_redis_url`` is unset and the broker is a
-sentinel URL, the lock store is the broker's master, found the same way, with ``master_name``
-and ``sentinel_kwargs`` (its ``username`` and ``password``) from ``broker_transport_options``.
+log in to the sentinels themselves, and ``?min_other_sentinels=`` (0 by default) makes the
+client trust only a sentinel that sees at least that many others. When
+``celery_lock_redis_url`` is unset and the broker is a sentinel URL, the lock store is the
+broker's master, found the same way, with ``master_name``, ``min_other_sentinels`` and
+``sentinel_kwargs`` (its ``username`` and ``password``) from ``broker_transport_options``.
 
 The client is redis-py's own (:meth:`redis.sentinel.Sentinel.master_for`): each new connection
 asks the sentinels where the master is, and a connection to a master demoted by a failover
@@ -34,7 +36,7 @@ DEFAULT_SENTINEL_PORT = 26379
 
 _SCHEME = "sentinel"
 #: Query arguments a sentinel URL may give; any other is refused rather than ignored.
-_QUERY = ("master_name", "sentinel_username", "sentinel_password")
+_QUERY = ("master_name", "sentinel_username", "sentinel_password", "min_other_sentinels")
 
 
 def is_sentinel_url(url: str) -> bool:
@@ -61,12 +63,15 @@ class SentinelURL:
     password: str | None = None
     sentinel_username: str | None = None
     sentinel_password: str | None = None
+    #: How many other sentinels a sentinel must see for its answer to count (redis-py's
+    #: ``min_other_sentinels``, as kombu's transport option of that name).
+    min_other_sentinels: int = 0
 
     @classmethod
     def parse(cls, url: str) -> SentinelURL:
         """Read ``sentinel://[[user]:password@]host[:port][/db][;sentinel://host[:port]]...``
-        with ``?master_name=`` (and optionally ``sentinel_username``, ``sentinel_password``)
-        on any one of its parts."""
+        with ``?master_name=`` (and optionally ``sentinel_username``, ``sentinel_password``,
+        ``min_other_sentinels``) on any one of its parts."""
         sentinels: list[tuple[str, int]] = []
         query: dict[str, str] = {}
         db, username, password = 0, None, None
@@ -106,6 +111,9 @@ class SentinelURL:
             raise ValueError(
                 "names no master: add ?master_name=<the name the sentinels monitor it by>"
             )
+        others = query.get("min_other_sentinels", "0")
+        if not others.isdigit():
+            raise ValueError(f"min_other_sentinels must be a whole number, got {others!r}")
         return cls(
             sentinels=tuple(sentinels),
             master_name=master_name,
@@ -114,6 +122,7 @@ class SentinelURL:
             password=password or None,
             sentinel_username=query.get("sentinel_username") or None,
             sentinel_password=query.get("sentinel_password") or None,
+            min_other_sentinels=int(others),
         )
 
 
@@ -134,7 +143,9 @@ def sentinel_master_client(url: str, **options: Any) -> redis.Redis:
     if target.sentinel_password is not None:
         sentinel_options["password"] = target.sentinel_password
     manager = Sentinel(  # type: ignore[no-untyped-call]
-        list(target.sentinels), sentinel_kwargs=sentinel_options
+        list(target.sentinels),
+        min_other_sentinels=target.min_other_sentinels,
+        sentinel_kwargs=sentinel_options,
     )
     client: redis.Redis = manager.master_for(  # type: ignore[no-untyped-call]
         target.master_name,

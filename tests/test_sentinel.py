@@ -169,12 +169,13 @@ def grant_or_none(store: LockStore, request: RequestKeys) -> int | None:
 def test_a_sentinel_url_is_read_as_kombu_reads_a_sentinel_broker() -> None:
     url = (
         "sentinel://:s%3Bcret@10.0.0.1:26380/2;sentinel://10.0.0.2;"
-        "sentinel://10.0.0.3:26381?master_name=locks&sentinel_password=watch"
+        "sentinel://10.0.0.3:26381?master_name=locks&sentinel_password=watch&min_other_sentinels=1"
     )
     read = SentinelURL.parse(url)
     assert read.sentinels == (("10.0.0.1", 26380), ("10.0.0.2", 26379), ("10.0.0.3", 26381))
     assert (read.master_name, read.db, read.username, read.password) == ("locks", 2, None, "s;cret")
     assert (read.sentinel_username, read.sentinel_password) == (None, "watch")
+    assert read.min_other_sentinels == 1
     assert validate_redis_url("celery_lock_redis_url", url) == url
 
 
@@ -191,6 +192,7 @@ def test_a_sentinel_url_is_read_as_kombu_reads_a_sentinel_broker() -> None:
         ("sentinel://10.0.0.1:port?master_name=a", "sentinel 1 has a port that is no number"),
         ("sentinel://:pw@/0?master_name=a", "sentinel 1 names no host"),
         ("sentinel://10.0.0.1;redis://10.0.0.2?master_name=a", "part 2 of the sentinel list"),
+        ("sentinel://10.0.0.1?master_name=a&min_other_sentinels=one", "a whole number"),
     ],
 )
 def test_a_malformed_sentinel_url_is_refused_with_what_is_wrong(url: str, problem: str) -> None:
@@ -211,17 +213,19 @@ def test_the_brokers_sentinels_and_master_name_give_the_lock_store_when_no_url_i
         ["sentinel://:pw@10.0.0.1:26379/4", "sentinel://10.0.0.2:26379?heartbeat=10"],
         broker_transport_options={
             "master_name": "queues",
+            "min_other_sentinels": 1,
             "sentinel_kwargs": {"password": "watch", "socket_timeout": 1},
         },
     )
     url = lock_store_url(app, LockSettings())
     assert url == (
         "sentinel://:pw@10.0.0.1:26379/4;sentinel://10.0.0.2:26379"
-        "?master_name=queues&sentinel_password=watch"
+        "?master_name=queues&sentinel_password=watch&min_other_sentinels=1"
     )
     read = SentinelURL.parse(url)
     assert (read.master_name, read.db, read.password, read.sentinel_password) == (
         "queues", 4, "pw", "watch")  # fmt: skip
+    assert read.min_other_sentinels == 1
     # celery_lock_redis_url still wins.
     assert lock_store_url(app, LockSettings(redis_url="redis://elsewhere/2")) == (
         "redis://elsewhere/2"
@@ -359,6 +363,16 @@ def test_the_master_and_the_sentinel_are_each_logged_in_to_with_their_own_passwo
         for opened in stores:
             opened.close()
         guarded.stop()
+
+
+def test_min_other_sentinels_trusts_no_sentinel_that_sees_too_few_others(group: Group) -> None:
+    """The group's one sentinel sees no other: asked for one more, no answer counts."""
+    store = LockStore.from_url(f"{group.url()}&min_other_sentinels=1", retry_deadline=0.2)
+    try:
+        with pytest.raises(LockStoreUnavailableError, match="No master found"):
+            store.acquire(keys("1"), new_token(), 60_000, HOLDER, 60_000)
+    finally:
+        store.close()
 
 
 def test_celery_lock_ls_reads_the_store_through_its_sentinel(group: Group) -> None:
