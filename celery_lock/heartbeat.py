@@ -26,7 +26,7 @@ import redis
 
 from .exceptions import LockStoreError, LockStoreUnavailableError
 from .lease import Lease
-from .store import LockStore
+from .store import LockStore, address_of
 
 __all__ = ["Heartbeat"]
 
@@ -344,17 +344,34 @@ class Heartbeat:
         For a process about to die with bodies unfinished: where their messages come back (a
         shutdown with late acks), they run at once instead of waiting a whole TTL. The releases
         left for later (:meth:`release_later`) are tried once more first, with their outcome.
+        A store found unavailable is not asked again: the rest of its leases are left to lapse,
+        so that a store that is down or hangs costs the shutdown one try's time (up to two
+        socket timeouts), not one per lease (a threads or gevent pool holds many).
         """
         for store in self._stores_releasing():
             self._release_pending(store)
         released = 0
+        unavailable: set[LockStore] = set()
+        left: defaultdict[LockStore, int] = defaultdict(int)
         for lease in self.leases():
             self.discard(lease)
+            if lease.store in unavailable:
+                left[lease.store] += 1
+                continue
             try:
                 if lease.store.release(lease, success=False, done_ttl_ms=1):
                     released += 1
             except LockStoreError as exc:
                 logger.warning("celery-lock: could not hand back %s: %s", lease.keys.lock, exc)
+                if isinstance(exc, LockStoreUnavailableError):
+                    unavailable.add(lease.store)
+        for store, count in left.items():
+            logger.warning(
+                "celery-lock: left %d more lease(s) of unfinished tasks to lapse, unasked: their "
+                "lock store %s was unavailable",
+                count,
+                address_of(store.client),
+            )
         if released:
             logger.warning("celery-lock: handed back %d lease(s) of unfinished tasks", released)
         return released

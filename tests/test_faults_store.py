@@ -717,6 +717,42 @@ def test_a_release_left_for_later_is_tried_with_its_outcome_when_the_process_han
     assert not admin.exists(KEYS.lock)
 
 
+def test_hand_back_asks_an_unavailable_store_once_and_leaves_its_other_leases_to_lapse(
+    logs: Records, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A threads pool's process holds many leases: a store that is down at shutdown is tried
+    for the first of them only, not once (and a whole retry deadline) per lease."""
+    server = RedisServer()
+    server.start()
+    store = LockStore.from_url(server.url_for(2), retry_deadline=0.2)
+    heartbeat = Heartbeat(default_interval=600)
+    asked: list[Lease] = []
+    release = store.release
+
+    def counted(lease: Lease, **options: Any) -> bool | None:
+        asked.append(lease)
+        return release(lease, **options)
+
+    monkeypatch.setattr(store, "release", counted)
+    try:
+        for request in range(3):
+            keys = RequestKeys.build("celery-lock", "s", f"held-{request}", "s")
+            token = new_token()
+            fence = granted(store.acquire(keys, token, 600_000, HOLDER, FENCE_TTL_MS))
+            heartbeat.add(Lease(store, keys, token, 600_000, fence, HOLDER), 600)
+        server.stop()
+        assert heartbeat.hand_back() == 0
+        assert len(asked) == 1
+        assert len(logs.messages(logging.WARNING, "could not hand back")) == 1
+        [left] = logs.messages(logging.WARNING, "to lapse")
+        assert "left 2 more lease(s)" in left
+        assert heartbeat.leases() == []
+    finally:
+        heartbeat.stop()
+        store.close()
+        server.stop()
+
+
 @pytest.mark.worker
 def test_store_down_mid_run_in_prefork_worker_nothing_crashes(
     lock_server: RedisServer, store_worker: Any, store_env: dict[str, str], producer: Celery
