@@ -654,6 +654,8 @@ def test_a_release_refused_for_now_is_tried_again_while_the_lease_lasts(
     wait_for("the done-marker", lambda: admin.get(keys.done), TIMEOUT)
     assert admin.get(keys.done) == result.id.encode()
     assert not admin.exists(keys.lock)
+    # The heartbeat sends lock_released after its release returns: a moment after the marker.
+    wait_for("lock_released", lambda: released, TIMEOUT)
     assert [(r["owned"], r["success"]) for r in released] == [(True, True)]
     assert logs.messages(logging.INFO, "once the lock store answered")
     copy = tasks["work"].delay(7)
