@@ -351,7 +351,8 @@ class Heartbeat:
         for store in self._stores_releasing():
             self._release_pending(store)
         released = 0
-        unavailable: set[LockStore] = set()
+        # What is still left for later found its store unavailable just now.
+        unavailable = self._stores_releasing()
         left: defaultdict[LockStore, int] = defaultdict(int)
         for lease in self.leases():
             self.discard(lease)
