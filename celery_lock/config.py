@@ -19,7 +19,8 @@ import redis
 from redis import connection
 
 from .exceptions import ConfigurationError
-from .sentinel import SentinelURL, is_sentinel_url, sentinel_master_client
+from .sentinel import SentinelURL, is_sentinel_url
+from .store import client_for_url
 
 __all__ = [
     "DUPLICATE_POLICIES",
@@ -58,7 +59,20 @@ def validate_redis_url(setting: str, url: str) -> str:
     if not isinstance(url, str) or not url:
         raise ConfigurationError(setting, f"expected a redis:// URL, got {url!r}")
     if is_sentinel_url(url):
-        return _validate_sentinel_url(setting, url)
+        try:
+            SentinelURL.parse(url)
+        except ValueError as exc:
+            raise ConfigurationError(setting, f"malformed sentinel URL: {exc}") from None
+    else:
+        _check_redis_url(setting, url)
+    problem = _connection_problem(url)
+    if problem is not None:
+        raise ConfigurationError(setting, problem)
+    return url
+
+
+def _check_redis_url(setting: str, url: str) -> None:
+    """Refuse a ``redis://``, ``rediss://`` or ``unix://`` URL that redis-py would misread."""
     scheme = urlsplit(url).scheme
     if scheme not in _REDIS_SCHEMES:
         raise ConfigurationError(
@@ -80,21 +94,6 @@ def validate_redis_url(setting: str, url: str) -> str:
             f"the URL's path {database!r} is not a database number: redis-py would ignore it "
             "and use database 0 (write redis://host:port/2)",
         )
-    problem = _connection_problem(url)
-    if problem is not None:
-        raise ConfigurationError(setting, problem)
-    return url
-
-
-def _validate_sentinel_url(setting: str, url: str) -> str:
-    try:
-        SentinelURL.parse(url)
-    except ValueError as exc:
-        raise ConfigurationError(setting, f"malformed sentinel URL: {exc}") from None
-    problem = _connection_problem(url)
-    if problem is not None:
-        raise ConfigurationError(setting, problem)
-    return url
 
 
 @lru_cache(maxsize=64)
@@ -108,10 +107,7 @@ def _connection_problem(url: str) -> str | None:
     package metadata (about half a millisecond).
     """
     try:
-        if is_sentinel_url(url):
-            pool = sentinel_master_client(url).connection_pool
-        else:
-            pool = redis.ConnectionPool.from_url(url)
+        pool = client_for_url(url).connection_pool
         pool.make_connection()
     except (redis.RedisError, ValueError, TypeError) as exc:
         # redis-py's message, never the URL itself: it may hold a password.
