@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -30,7 +28,13 @@ from celery_lock.lease import Held, Holder, Lease, new_token
 from celery_lock.runtime import lock_store_url
 from celery_lock.sentinel import SentinelURL
 from celery_lock.store import LockStore, address_of
-from celery_lock.testing import CeleryWorker, RedisServer, find_redis_server, free_port
+from celery_lock.testing import (
+    CeleryWorker,
+    RedisServer,
+    _terminate,
+    find_redis_server,
+    free_port,
+)
 
 MASTER_NAME = "locks"
 HOLDER = Holder("task-1", "shop.charge", "host-a", 4242)
@@ -77,13 +81,7 @@ class SentinelProcess:
 
     def stop(self) -> None:
         self.client.close()
-        if self._proc.poll() is None:
-            os.kill(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                os.kill(self._proc.pid, signal.SIGKILL)
-                self._proc.wait(5)
+        _terminate(self._proc, 5.0)  # as RedisServer stops its own: SIGTERM, then SIGKILL
         self._dir.cleanup()
 
 
@@ -149,6 +147,14 @@ def group() -> Iterator[Group]:
     started = Group()
     yield started
     started.stop()
+
+
+@pytest.fixture
+def store(group: Group) -> Iterator[LockStore]:
+    """A lock store on the group's sentinel URL."""
+    opened = LockStore.from_url(group.url())
+    yield opened
+    opened.close()
 
 
 def keys(request: str) -> RequestKeys:
@@ -260,86 +266,77 @@ def test_a_sentinel_broker_the_lock_store_cannot_follow_is_refused(
 # -- real servers -------------------------------------------------------------------------------
 
 
-def test_a_lease_taken_through_the_sentinel_lives_on_its_master(group: Group) -> None:
-    store = LockStore.from_url(group.url())
-    try:
-        token = new_token()
-        granted(store.acquire(keys("1"), token, 60_000, HOLDER, 60_000))
-        assert address_of(store.client) == f"master {MASTER_NAME} at 127.0.0.1:{group.master.port}"
-        with group.master.client(2) as master:
-            assert master.get(keys("1").lock).startswith(token.encode())
-        assert isinstance(store.acquire(keys("1"), new_token(), 60_000, HOLDER, 60_000), Held)
-    finally:
-        store.close()
+def test_a_lease_taken_through_the_sentinel_lives_on_its_master(
+    group: Group, store: LockStore
+) -> None:
+    token = new_token()
+    granted(store.acquire(keys("1"), token, 60_000, HOLDER, 60_000))
+    assert address_of(store.client) == f"master {MASTER_NAME} at 127.0.0.1:{group.master.port}"
+    with group.master.client(2) as master:
+        assert master.get(keys("1").lock).startswith(token.encode())
+    assert isinstance(store.acquire(keys("1"), new_token(), 60_000, HOLDER, 60_000), Held)
 
 
 def test_after_a_failover_the_store_follows_the_sentinel_to_the_new_master(
-    group: Group, caplog: pytest.LogCaptureFixture
+    group: Group, caplog: pytest.LogCaptureFixture, store: LockStore
 ) -> None:
     caplog.set_level(logging.WARNING, logger="celery_lock.store")
-    store = LockStore.from_url(group.url())
-    try:
-        token = new_token()
-        first = granted(store.acquire(keys("1"), token, 60_000, HOLDER, 60_000))
-        with group.master.client() as master:
-            assert master.wait(1, 5_000) == 1  # the lease is on the replica
+    token = new_token()
+    first = granted(store.acquire(keys("1"), token, 60_000, HOLDER, 60_000))
+    with group.master.client() as master:
+        assert master.wait(1, 5_000) == 1  # the lease is on the replica
 
-        group.watcher.client.execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
-        wait_for("the replica to be promoted", lambda: group.watcher.master_port() == (
-            group.replica.port))  # fmt: skip
-        # The sentinel demotes the old master once it reads its INFO again (every 10 s); until
-        # then it takes writes, as any Redis does in a failover (semantics.md).
-        with group.master.client() as old:
-            wait_for("the old master to be demoted", lambda: old.info("replication")[
-                "role"] == "slave")  # fmt: skip
+    group.watcher.client.execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
+    wait_for("the replica to be promoted", lambda: group.watcher.master_port() == (
+        group.replica.port))  # fmt: skip
+    # The sentinel demotes the old master once it reads its INFO again (every 10 s); until
+    # then it takes writes, as any Redis does in a failover (semantics.md).
+    with group.master.client() as old:
+        wait_for("the old master to be demoted", lambda: old.info("replication")[
+            "role"] == "slave")  # fmt: skip
 
-        # The held connection meets READONLY; the next try asks the sentinel again.
-        second = granted(store.acquire(keys("2"), new_token(), 60_000, HOLDER, 60_000))
-        assert address_of(store.client).endswith(f"127.0.0.1:{group.replica.port}")
-        with group.replica.client(2) as new_master:
-            assert new_master.exists(keys("2").lock)
-        # The lease taken before the failover holds on the new master.
-        assert isinstance(store.acquire(keys("1"), new_token(), 60_000, HOLDER, 60_000), Held)
-        assert second != first
-        assert (store.failovers, store.restarts) == (1, 0)
-        [warning] = [r.getMessage() for r in caplog.records if "another server" in r.getMessage()]
-        assert f"127.0.0.1:{group.replica.port}" in warning
-        assert "a failover" in warning
-    finally:
-        store.close()
+    # The held connection meets READONLY; the next try asks the sentinel again.
+    second = granted(store.acquire(keys("2"), new_token(), 60_000, HOLDER, 60_000))
+    assert address_of(store.client).endswith(f"127.0.0.1:{group.replica.port}")
+    with group.replica.client(2) as new_master:
+        assert new_master.exists(keys("2").lock)
+    # The lease taken before the failover holds on the new master.
+    assert isinstance(store.acquire(keys("1"), new_token(), 60_000, HOLDER, 60_000), Held)
+    assert second != first
+    assert (store.failovers, store.restarts) == (1, 0)
+    [warning] = [r.getMessage() for r in caplog.records if "another server" in r.getMessage()]
+    assert f"127.0.0.1:{group.replica.port}" in warning
+    assert "a failover" in warning
 
 
 def test_a_killed_master_fails_calls_as_unavailable_until_the_sentinel_promotes_its_replica(
     group: Group,
+    store: LockStore,
 ) -> None:
-    store = LockStore.from_url(group.url())
-    try:
-        token = new_token()
-        fence = granted(store.acquire(keys("1"), token, 60_000, HOLDER, 60_000))
-        lease = Lease(store, keys("1"), token, 60_000, fence, HOLDER, 60_000)
-        with group.master.client() as master:
-            assert master.wait(1, 5_000) == 1  # the lease is on the replica
+    token = new_token()
+    fence = granted(store.acquire(keys("1"), token, 60_000, HOLDER, 60_000))
+    lease = Lease(store, keys("1"), token, 60_000, fence, HOLDER, 60_000)
+    with group.master.client() as master:
+        assert master.wait(1, 5_000) == 1  # the lease is on the replica
 
-        group.master.kill()
-        # Until the sentinel calls the master down (1 s) and promotes the replica, a call
-        # fails as "not now", which a task meets as a deferral (fail closed).
-        with pytest.raises(LockStoreUnavailableError):
-            store.acquire(keys("2"), new_token(), 60_000, HOLDER, 60_000)
+    group.master.kill()
+    # Until the sentinel calls the master down (1 s) and promotes the replica, a call
+    # fails as "not now", which a task meets as a deferral (fail closed).
+    with pytest.raises(LockStoreUnavailableError):
+        store.acquire(keys("2"), new_token(), 60_000, HOLDER, 60_000)
 
-        wait_for("the replica to be promoted", lambda: group.watcher.master_port() == (
-            group.replica.port))  # fmt: skip
-        # The connection lost with the old master is not reconnected to its address: a later
-        # call (a deferred copy's) asks the sentinel again, once it names a master that is up,
-        # and the heartbeat's extend reaches the new master as well.
-        wait_for("a grant on the new master", lambda: grant_or_none(store, keys("2")))
-        assert address_of(store.client).endswith(f"127.0.0.1:{group.replica.port}")
-        assert store.extend_all([lease]) == [True]
-        store.release(lease, success=True, done_ttl_ms=60_000)
-        with group.replica.client(2) as new_master:
-            assert new_master.exists(keys("1").done)
-            assert not new_master.exists(keys("1").lock)
-    finally:
-        store.close()
+    wait_for("the replica to be promoted", lambda: group.watcher.master_port() == (
+        group.replica.port))  # fmt: skip
+    # The connection lost with the old master is not reconnected to its address: a later
+    # call (a deferred copy's) asks the sentinel again, once it names a master that is up,
+    # and the heartbeat's extend reaches the new master as well.
+    wait_for("a grant on the new master", lambda: grant_or_none(store, keys("2")))
+    assert address_of(store.client).endswith(f"127.0.0.1:{group.replica.port}")
+    assert store.extend_all([lease]) == [True]
+    store.release(lease, success=True, done_ttl_ms=60_000)
+    with group.replica.client(2) as new_master:
+        assert new_master.exists(keys("1").done)
+        assert not new_master.exists(keys("1").lock)
 
 
 def test_the_master_and_the_sentinel_are_each_logged_in_to_with_their_own_password() -> None:
@@ -375,12 +372,10 @@ def test_min_other_sentinels_trusts_no_sentinel_that_sees_too_few_others(group: 
         store.close()
 
 
-def test_celery_lock_ls_reads_the_store_through_its_sentinel(group: Group) -> None:
-    store = LockStore.from_url(group.url())
-    try:
-        granted(store.acquire(keys("7"), new_token(), 60_000, HOLDER, 60_000))
-    finally:
-        store.close()
+def test_celery_lock_ls_reads_the_store_through_its_sentinel(
+    group: Group, store: LockStore
+) -> None:
+    granted(store.acquire(keys("7"), new_token(), 60_000, HOLDER, 60_000))
     done = celery_lock_cli({}, "--url", group.url(), "ls")
     assert done.returncode == 0, done.stderr
     assert keys("7").lock in done.stdout
