@@ -126,17 +126,12 @@ def _with_broker_ssl(app: Celery, broker: str) -> str:
     (``ssl_ca_certs``) and showing the same client certificate."""
 
     def rewrite(pairs: _Query) -> _Query:
-        query = [
-            (name, _CERT_REQS_SPELLED_BY_REDIS_PY.get(value, value))
-            if name == "ssl_cert_reqs"
-            else (name, value)
-            for name, value in pairs
-        ]
+        query = [(name, _query_value(value, name)) for name, value in pairs]
         given = {name for name, _ in query}
         options = app.conf.broker_use_ssl
         if isinstance(options, Mapping):
             query += [
-                (name, _query_value(value))
+                (name, _query_value(value, name))
                 for name, value in options.items()
                 if name not in given and value is not None
             ]
@@ -145,8 +140,11 @@ def _with_broker_ssl(app: Celery, broker: str) -> str:
     return _with_query(broker, rewrite)
 
 
-def _query_value(value: Any) -> str:
-    """An ``ssl`` option's value as redis-py reads it from a URL's query."""
+def _query_value(value: Any, name: str) -> str:
+    """The value of option ``name`` as redis-py reads it from a URL's query; ``ssl_cert_reqs``
+    spelled as Celery spells it (``CERT_REQUIRED``) as redis-py does."""
+    if name.endswith("ssl_cert_reqs") and isinstance(value, str):
+        return _CERT_REQS_SPELLED_BY_REDIS_PY.get(value, value)
     if isinstance(value, ssl.VerifyMode):
         return {ssl.CERT_NONE: "none", ssl.CERT_OPTIONAL: "optional"}.get(value, "required")
     if isinstance(value, bool):
@@ -169,15 +167,11 @@ def _broker_sentinels(app: Celery) -> str | None:
 
 def _with_broker_master(app: Celery, sentinels: str) -> str:
     """A sentinel broker URL with what kombu reads from ``broker_transport_options`` to find
-    the master: ``master_name``, ``min_other_sentinels``, and the ``username`` and
-    ``password`` of ``sentinel_kwargs`` (as ``sentinel_username`` and ``sentinel_password``)."""
+    the master: ``master_name``, ``min_other_sentinels``, and the ``username``, ``password`` and
+    TLS options of ``sentinel_kwargs`` (as ``sentinel_username``, ``sentinel_password``,
+    ``sentinel_ssl`` and ``sentinel_ssl_*``); and ``broker_use_ssl``, which kombu gives the
+    master's connections, as ``ssl=true`` and its ``ssl_*`` options."""
     options = app.conf.broker_transport_options or {}
-    if app.conf.broker_use_ssl:
-        raise ConfigurationError(
-            "celery_lock_redis_url",
-            "not set, and the broker is Redis Sentinel over TLS (broker_use_ssl), which the lock "
-            "store does not support: set it to a redis://, rediss:// or sentinel:// URL",
-        )
     if not options.get("master_name"):
         raise ConfigurationError(
             "broker_transport_options",
@@ -187,25 +181,36 @@ def _with_broker_master(app: Celery, sentinels: str) -> str:
     others = sorted(
         name
         for name in sentinel_kwargs
-        if name not in ("username", "password") and not name.startswith("socket_")
+        if name not in ("username", "password") and not name.startswith(("socket_", "ssl"))
     )
     if others:
         raise ConfigurationError(
             "celery_lock_redis_url",
             f"not set, and the broker's sentinel_kwargs give {', '.join(others)}, which the lock "
-            "store does not read (only username and password): set it to the lock store's URL",
+            "store does not read (only username, password and ssl options): set it to the lock "
+            "store's URL",
         )
-    wanted = {
+    wanted: dict[str, Any] = {
         "master_name": options.get("master_name"),
         "sentinel_username": sentinel_kwargs.get("username"),
         "sentinel_password": sentinel_kwargs.get("password"),
         "min_other_sentinels": options.get("min_other_sentinels"),
     }
+    wanted.update(
+        (f"sentinel_{name}", value)
+        for name, value in sentinel_kwargs.items()
+        if name.startswith("ssl")
+    )
+    # kombu gives a sentinel broker's master broker_use_ssl only as a dict of options, and
+    # connects without TLS where it is True: the lock store does the same.
+    master_tls = app.conf.broker_use_ssl
+    if isinstance(master_tls, Mapping):
+        wanted.update(ssl=True, **master_tls)
 
     def rewrite(pairs: _Query) -> _Query:
         given = {name for name, _ in pairs}
         return pairs + [
-            (name, str(value))
+            (name, _query_value(value, name))
             for name, value in wanted.items()
             if value is not None and name not in given
         ]

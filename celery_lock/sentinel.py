@@ -10,10 +10,13 @@ A sentinel URL lists the sentinels, ``;``-separated, and names the master they w
 The user, password and database are those of the master (as kombu reads them from a sentinel
 broker URL), given on the first sentinel; ``?sentinel_username=`` and ``?sentinel_password=``
 log in to the sentinels themselves, and ``?min_other_sentinels=`` (0 by default) makes the
-client trust only a sentinel that sees at least that many others. When
-``celery_lock_redis_url`` is unset and the broker is a sentinel URL, the lock store is the
-broker's master, found the same way, with ``master_name``, ``min_other_sentinels`` and
-``sentinel_kwargs`` (its ``username`` and ``password``) from ``broker_transport_options``.
+client trust only a sentinel that sees at least that many others. ``?ssl=true`` reaches the
+master over TLS, with the ``ssl_*`` options redis-py's ``rediss://`` URLs take
+(``&ssl_ca_certs=/etc/ssl/ca.pem``); ``?sentinel_ssl=true`` and ``sentinel_ssl_*`` do the same
+for the sentinels. When ``celery_lock_redis_url`` is unset and the broker is a sentinel URL, the
+lock store is the broker's master, found the same way, with ``master_name``,
+``min_other_sentinels`` and ``sentinel_kwargs`` (its ``username``, ``password`` and TLS options)
+from ``broker_transport_options``, and the TLS options of ``broker_use_ssl``.
 
 The client is redis-py's own (:meth:`redis.sentinel.Sentinel.master_for`): each new connection
 asks the sentinels where the master is, and a connection to a master demoted by a failover
@@ -22,11 +25,14 @@ asks the sentinels where the master is, and a connection to a master demoted by 
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS, SSLConnection
 from redis.sentinel import Sentinel
 
 __all__ = ["DEFAULT_SENTINEL_PORT", "SentinelURL", "is_sentinel_url", "sentinel_master_client"]
@@ -35,8 +41,43 @@ __all__ = ["DEFAULT_SENTINEL_PORT", "SentinelURL", "is_sentinel_url", "sentinel_
 DEFAULT_SENTINEL_PORT = 26379
 
 _SCHEME = "sentinel"
-#: Query arguments a sentinel URL may give; any other is refused rather than ignored.
+#: Query arguments a sentinel URL may give besides the TLS ones; any other is refused rather
+#: than ignored.
 _QUERY = ("master_name", "sentinel_username", "sentinel_password", "min_other_sentinels")
+#: What turns TLS on for the master's connections, and what for the sentinels'.
+_MASTER_TLS, _SENTINEL_TLS = "ssl", "sentinel_ssl"
+
+
+def _tls_parameters() -> dict[str, Callable[[str], Any]]:
+    """The ``ssl_*`` options this redis-py's TLS connections take from a URL, each with how its
+    text is read: as redis-py reads it from a ``rediss://`` URL's query, a flag as ``true`` or
+    ``false`` (redis-py would read ``false`` as a true string), anything else as text. Options
+    that only an object can give (``ssl_ocsp_context``) are left out."""
+    readers: dict[str, Callable[[str], Any]] = {}
+    for name, parameter in inspect.signature(SSLConnection.__init__).parameters.items():
+        if not name.startswith("ssl_") or name == "ssl_ocsp_context":
+            continue
+        if name == "ssl_cert_reqs":
+            readers[name] = _cert_reqs
+        elif isinstance(parameter.default, bool):
+            readers[name] = _flag
+        else:
+            readers[name] = cast(Callable[[str], Any], URL_QUERY_ARGUMENT_PARSERS.get(name, str))
+    return readers
+
+
+def _cert_reqs(text: str) -> str:
+    """``ssl_cert_reqs`` as redis-py spells it (its connections refuse any other only when
+    they first connect): ``none``, ``optional`` or ``required``."""
+    if text not in ("none", "optional", "required"):
+        raise ValueError(f"{text!r} is not none, optional or required (as redis-py spells it)")
+    return text
+
+
+def _flag(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise ValueError(f"{text!r} is not true or false")
+    return text.lower() == "true"
 
 
 def is_sentinel_url(url: str) -> bool:
@@ -66,12 +107,19 @@ class SentinelURL:
     #: How many other sentinels a sentinel must see for its answer to count (redis-py's
     #: ``min_other_sentinels``, as kombu's transport option of that name).
     min_other_sentinels: int = 0
+    #: The TLS options of the master's connections (``{"ssl_ca_certs": ...}``, read), or
+    #: ``None`` where they do not use TLS.
+    master_tls: Mapping[str, Any] | None = None
+    #: The TLS options of the sentinels' connections, or ``None`` where they do not use TLS.
+    sentinel_tls: Mapping[str, Any] | None = None
 
     @classmethod
     def parse(cls, url: str) -> SentinelURL:
         """Read ``sentinel://[[user]:password@]host[:port][/db][;sentinel://host[:port]]...``
         with ``?master_name=`` (and optionally ``sentinel_username``, ``sentinel_password``,
-        ``min_other_sentinels``) on any one of its parts."""
+        ``min_other_sentinels``, and the TLS options ``ssl``, ``ssl_*``, ``sentinel_ssl`` and
+        ``sentinel_ssl_*``) on any one of its parts."""
+        tls_parameters = _tls_parameters()
         sentinels: list[tuple[str, int]] = []
         query: dict[str, str] = {}
         db, username, password = 0, None, None
@@ -100,8 +148,8 @@ class SentinelURL:
                     "first sentinel, where they are read"
                 )
             for name, values in parse_qs(split.query, keep_blank_values=True).items():
-                if name not in _QUERY:
-                    takes = ", ".join(_QUERY)
+                if name not in _QUERY and _tls_option(name) not in (*tls_parameters, "ssl"):
+                    takes = ", ".join((*_QUERY, "ssl", "ssl_*", "sentinel_ssl", "sentinel_ssl_*"))
                     raise ValueError(f"unknown query argument {name!r} (it takes {takes})")
                 if len(values) > 1 or (name in query and query[name] != values[0]):
                     raise ValueError(f"the query argument {name!r} is given more than once")
@@ -123,7 +171,44 @@ class SentinelURL:
             sentinel_username=query.get("sentinel_username") or None,
             sentinel_password=query.get("sentinel_password") or None,
             min_other_sentinels=int(others),
+            master_tls=_read_tls(query, _MASTER_TLS, tls_parameters),
+            sentinel_tls=_read_tls(query, _SENTINEL_TLS, tls_parameters),
         )
+
+
+def _tls_option(name: str) -> str:
+    """The TLS option a query argument gives, for the master or the sentinels alike:
+    ``sentinel_ssl_ca_certs`` gives ``ssl_ca_certs``, as ``ssl_ca_certs`` does."""
+    return name.removeprefix("sentinel_")
+
+
+def _read_tls(
+    query: Mapping[str, str], switch: str, parameters: Mapping[str, Callable[[str], Any]]
+) -> dict[str, Any] | None:
+    """The TLS options that the query gives the connections ``switch`` (``ssl`` or
+    ``sentinel_ssl``) turns TLS on for, read; ``None`` where it is not ``true``."""
+    prefix = switch.removesuffix("ssl")
+    given = {
+        _tls_option(name): text
+        for name, text in query.items()
+        if name.startswith(f"{switch}_") and _tls_option(name) in parameters
+    }
+    try:
+        enabled = _flag(query.get(switch, "false"))
+    except ValueError:
+        raise ValueError(f"{switch} must be true or false, got {query[switch]!r}") from None
+    if not enabled:
+        if given:
+            names = ", ".join(prefix + name for name in given)
+            raise ValueError(f"{names}: given without {switch}=true, which turns their TLS on")
+        return None
+    options: dict[str, Any] = {}
+    for name, text in given.items():
+        try:
+            options[name] = parameters[name](text)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{prefix}{name}: {exc}") from None
+    return options
 
 
 def sentinel_master_client(url: str, **options: Any) -> redis.Redis:
@@ -142,6 +227,10 @@ def sentinel_master_client(url: str, **options: Any) -> redis.Redis:
         sentinel_options["username"] = target.sentinel_username
     if target.sentinel_password is not None:
         sentinel_options["password"] = target.sentinel_password
+    if target.sentinel_tls is not None:
+        sentinel_options.update(ssl=True, **target.sentinel_tls)
+    if target.master_tls is not None:
+        options = {**options, "ssl": True, **target.master_tls}
     manager = Sentinel(  # type: ignore[no-untyped-call]
         list(target.sentinels),
         min_other_sentinels=target.min_other_sentinels,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import ssl
 import subprocess
 import sys
@@ -15,17 +14,17 @@ from urllib.parse import quote
 
 import pytest
 import redis
-import trustme
 from celery import Celery
 from conftest import wait_for
 from redis.connection import SSLConnection
+from tls import TlsFiles, start_with_tls
 
 from celery_lock import SKIPPED, LockedTask, LockSettings, LockStoreUnavailableError, checks
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Done, Holder, Lease, encode_lock, new_token
 from celery_lock.runtime import lock_store_url, reset_runtime
 from celery_lock.store import LockStore, _check_out
-from celery_lock.testing import RedisServer, find_redis_server, free_port
+from celery_lock.testing import RedisServer, free_port
 
 HOLDER = Holder("task-1", "shop.process", "host", 1)
 KEYS = RequestKeys.build("celery-lock", "shop.process", "42", "shop.process")
@@ -189,31 +188,15 @@ class TlsServer(NamedTuple):
 
 
 def start_tls_server(directory: Path) -> TlsServer:
-    """A redis-server that also listens with TLS, on a certificate of a CA of its own (which no
-    system trusts); from the first ``redis-server`` found that was built with TLS."""
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    cert.private_key_pem.write_to_path(str(directory / "server.key"))
-    cert.cert_chain_pems[0].write_to_path(str(directory / "server.crt"))
-    ca.cert_pem.write_to_path(str(directory / "ca.crt"))
+    """A redis-server that also listens with TLS, on a certificate of a CA of its own."""
+    files = TlsFiles.issue(directory)
     tls_port = free_port()
-    tls_args = [
-        "--tls-port", str(tls_port), "--tls-auth-clients", "no",
-        "--tls-cert-file", str(directory / "server.crt"),
-        "--tls-key-file", str(directory / "server.key"),
-        "--tls-ca-cert-file", str(directory / "ca.crt"),
-    ]  # fmt: skip
-    candidates = list(dict.fromkeys([find_redis_server(), "/usr/bin/redis-server"]))
-    for executable in filter(os.path.exists, candidates):
-        server = RedisServer(extra_args=tls_args, executable=executable)
-        try:
-            server.start()
-        except RuntimeError:  # built without TLS: it refuses --tls-port
-            continue
-        return TlsServer(server, tls_port, str(directory / "ca.crt"))
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"no redis-server built with TLS among {candidates} and CI=true")
-    pytest.skip(f"no redis-server built with TLS among {candidates}")
+    server = start_with_tls(
+        lambda executable: RedisServer(
+            extra_args=files.server_args(tls_port), executable=executable
+        )
+    )
+    return TlsServer(server, tls_port, files.ca_file)
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +274,10 @@ def test_a_url_of_its_own_is_not_given_the_brokers_ssl_options() -> None:
     assert lock_store_url(app, LockSettings()) == (
         "rediss://broker:6380/0?ssl_cert_reqs=optional&ssl_check_hostname=false"
     )
+    # Celery's spelling as text, in broker_use_ssl as in the URL: redis-py's in the store's URL.
+    app.conf.broker_url = "rediss://broker:6380/0"
+    app.conf.broker_use_ssl = {"ssl_cert_reqs": "CERT_OPTIONAL"}
+    assert lock_store_url(app, LockSettings()) == "rediss://broker:6380/0?ssl_cert_reqs=optional"
 
 
 def test_rediss_url_is_passed_through_to_redis_py() -> None:

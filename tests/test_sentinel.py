@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import redis
 from celery import Celery
 from conftest import granted, wait_for
+from redis.sentinel import SentinelManagedSSLConnection
 from test_cli import celery_lock_cli
 from test_storm import run_storm
+from tls import TlsFiles, start_with_tls
 
 from celery_lock.config import LockSettings, validate_redis_url
 from celery_lock.exceptions import ConfigurationError, LockStoreError, LockStoreUnavailableError
@@ -27,12 +32,11 @@ from celery_lock.keys import RequestKeys
 from celery_lock.lease import Held, Holder, Lease, new_token
 from celery_lock.runtime import lock_store_url
 from celery_lock.sentinel import SentinelURL
-from celery_lock.store import LockStore, address_of
+from celery_lock.store import LockStore, _check_out, address_of
 from celery_lock.testing import (
     CeleryWorker,
     RedisServer,
     _terminate,
-    find_redis_server,
     free_port,
 )
 
@@ -42,22 +46,41 @@ HOLDER = Holder("task-1", "shop.charge", "host-a", 4242)
 
 class SentinelProcess:
     """``redis-server <conf> --sentinel`` watching one master as ``locks`` with a quorum of one,
-    quick to call it down (1 s), in a directory of its own (a sentinel rewrites its config)."""
+    quick to call it down (1 s), in a directory of its own (a sentinel rewrites its config).
 
-    def __init__(self, master: RedisServer, password: str | None = None) -> None:
+    With ``tls``, it reaches the master and its replicas over TLS (the master is watched on its
+    ``tls_port``), and listens with TLS on :attr:`tls_port` besides its plain :attr:`port`.
+    """
+
+    def __init__(
+        self,
+        master: RedisServer,
+        password: str | None = None,
+        tls: TlsFiles | None = None,
+        tls_port: int | None = None,
+    ) -> None:
         self.port = free_port()
+        self.tls_port = free_port() if tls else None
         self._dir = tempfile.TemporaryDirectory(prefix="celery-lock-sentinel-")
         conf = Path(self._dir.name, "sentinel.conf")
-        conf.write_text(
-            f"port {self.port}\nbind 127.0.0.1\ndir {self._dir.name}\nlogfile sentinel.log\n"
-            f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master.port} 1\n"
-            f"sentinel down-after-milliseconds {MASTER_NAME} 1000\n"
-            f"sentinel failover-timeout {MASTER_NAME} 5000\n"
-            + (f"sentinel auth-pass {MASTER_NAME} {master.password}\n" if master.password else "")
-            + (f"requirepass {password}\n" if password else "")
-        )
+        lines = [f"port {self.port}", "bind 127.0.0.1", f"dir {self._dir.name}"]
+        lines.append("logfile sentinel.log")
+        if tls is not None:
+            options = [*tls.server_args(self.tls_port or 0), "--tls-replication", "yes"]
+            pairs = zip(options[::2], options[1::2], strict=True)
+            lines += [f"{name.removeprefix('--')} {value}" for name, value in pairs]
+        lines += [
+            f"sentinel monitor {MASTER_NAME} 127.0.0.1 {tls_port or master.port} 1",
+            f"sentinel down-after-milliseconds {MASTER_NAME} 1000",
+            f"sentinel failover-timeout {MASTER_NAME} 5000",
+        ]
+        if master.password:
+            lines.append(f"sentinel auth-pass {MASTER_NAME} {master.password}")
+        if password:
+            lines.append(f"requirepass {password}")
+        conf.write_text("\n".join(lines) + "\n")
         self._proc = subprocess.Popen(
-            [find_redis_server(), str(conf), "--sentinel"],
+            [master.executable, str(conf), "--sentinel"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
@@ -100,51 +123,104 @@ def _fields(reply: Any) -> dict[str, str]:
 
 class Group:
     """A master, its replica and a sentinel; with ``password``, the master and the replica
-    require it, and with ``sentinel_password``, the sentinel requires that."""
+    require it, and with ``sentinel_password``, the sentinel requires that. With ``tls``, all
+    three also listen with TLS, on ports of their own, and talk to each other over TLS."""
 
-    def __init__(self, password: str | None = None, sentinel_password: str | None = None) -> None:
+    def __init__(
+        self,
+        password: str | None = None,
+        sentinel_password: str | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
         auth = ["--requirepass", password, "--masterauth", password] if password else []
-        self.master = RedisServer(extra_args=auth)
-        self.replica = RedisServer(
-            extra_args=["--replicaof", "127.0.0.1", str(self.master.port), *auth]
-        )
+        self.tls = tls
+        self.tls_ports: dict[int, int] = {}  # plain port -> TLS port, with tls
         self.sentinel_password = sentinel_password
         self.sentinel: SentinelProcess | None = None
+        if tls is None:
+            self.master = self._server(auth)
+        else:  # started here: from a redis-server built with TLS, which the others then run
+            self.master = start_with_tls(lambda executable: self._server(auth, executable))
+        self.replica = self._server(
+            ["--replicaof", "127.0.0.1", str(self.port_of(self.master)), *auth],
+            self.master.executable,
+        )
         try:
             self.master.start()
             self.replica.start()
             with self.replica.client() as replica:
                 wait_for("the replica to sync", lambda: replica.info("replication").get(
                     "master_link_status") == "up")  # fmt: skip
-            self.sentinel = SentinelProcess(self.master, sentinel_password)
+            self.sentinel = SentinelProcess(
+                self.master, sentinel_password, tls, self.tls_ports.get(self.master.port)
+            )
             wait_for("the sentinel to know the replica", self.sentinel.knows_a_replica)
         except BaseException:
             self.stop()
             raise
+
+    def _server(self, args: list[str], executable: str | None = None) -> RedisServer:
+        """A server of the group (not started); with TLS, listening on a TLS port too. A
+        replica syncs from a file, at once: Redis 7 waits 5 s for more replicas before a sync
+        over the socket (and a delay of 0 lost a write acknowledged by WAIT on 7.0.15)."""
+        server = RedisServer(
+            extra_args=[*args, "--repl-diskless-sync", "no"], executable=executable
+        )
+        if self.tls is not None:
+            self.tls_ports[server.port] = free_port()
+            server.extra_args += self.tls.server_args(self.tls_ports[server.port])
+            server.extra_args += ["--tls-replication", "yes"]
+        return server
+
+    def port_of(self, server: RedisServer) -> int:
+        """The port the group's servers and sentinel reach ``server`` on (its TLS one, with
+        TLS), and the sentinel names it by."""
+        return self.tls_ports.get(server.port, server.port)
 
     @property
     def watcher(self) -> SentinelProcess:
         assert self.sentinel is not None
         return self.sentinel
 
-    def url(self, db: int = 2) -> str:
-        """The lock store URL of database ``db`` of the master, with both passwords."""
+    def url(self, db: int = 2, sentinel_tls: bool = True) -> str:
+        """The lock store URL of database ``db`` of the master, with both passwords; with TLS,
+        trusting the group's CA, and reaching the sentinel over TLS too unless not
+        ``sentinel_tls``."""
         auth = f":{self.master.password}@" if self.master.password else ""
         query = f"?master_name={MASTER_NAME}"
         if self.sentinel_password:
             query += f"&sentinel_password={self.sentinel_password}"
-        return f"sentinel://{auth}127.0.0.1:{self.watcher.port}/{db}{query}"
+        port = self.watcher.port
+        if self.tls is not None:
+            ca = quote(self.tls.ca_file, safe="")
+            query += f"&ssl=true&ssl_ca_certs={ca}"
+            if sentinel_tls and self.watcher.tls_port:
+                port = self.watcher.tls_port
+                query += f"&sentinel_ssl=true&sentinel_ssl_ca_certs={ca}"
+        return f"sentinel://{auth}127.0.0.1:{port}/{db}{query}"
 
     def stop(self) -> None:
+        # The first master first: after a failover it is the replica, and a master that stops
+        # waits (up to 10 s) for a replica still syncing, while a replica stops at once.
         if self.sentinel is not None:
             self.sentinel.stop()
-        self.replica.stop()
         self.master.stop()
+        self.replica.stop()
 
 
 @pytest.fixture
-def group() -> Iterator[Group]:
-    started = Group()
+def group(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Group]:
+    """A group; over TLS where the test gives ``"tls"`` as its (indirect) parameter."""
+    tls = TlsFiles.issue(tmp_path) if getattr(request, "param", None) == "tls" else None
+    started = Group(tls=tls)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
+    """A group over TLS, shared by the tests that change nothing but their own keys in it."""
+    started = Group(tls=TlsFiles.issue(tmp_path_factory.mktemp("tls")))
     yield started
     started.stop()
 
@@ -182,7 +258,23 @@ def test_a_sentinel_url_is_read_as_kombu_reads_a_sentinel_broker() -> None:
     assert (read.master_name, read.db, read.username, read.password) == ("locks", 2, None, "s;cret")
     assert (read.sentinel_username, read.sentinel_password) == (None, "watch")
     assert read.min_other_sentinels == 1
+    assert (read.master_tls, read.sentinel_tls) == (None, None)
     assert validate_redis_url("celery_lock_redis_url", url) == url
+
+
+def test_a_sentinel_urls_tls_options_are_read_for_the_master_and_the_sentinels_apart() -> None:
+    url = (
+        "sentinel://10.0.0.1?master_name=locks&ssl=true&ssl_ca_certs=%2Fca.pem"
+        "&ssl_check_hostname=false&ssl_cert_reqs=optional"
+        "&sentinel_ssl=true&sentinel_ssl_certfile=%2Fme.pem&sentinel_ssl_keyfile=%2Fme.key"
+    )
+    read = SentinelURL.parse(url)
+    assert read.master_tls == {
+        "ssl_ca_certs": "/ca.pem", "ssl_check_hostname": False, "ssl_cert_reqs": "optional"
+    }  # fmt: skip
+    assert read.sentinel_tls == {"ssl_certfile": "/me.pem", "ssl_keyfile": "/me.key"}
+    assert SentinelURL.parse("sentinel://h?master_name=m&ssl=true").master_tls == {}
+    assert SentinelURL.parse("sentinel://h?master_name=m&sentinel_ssl=false").sentinel_tls is None
 
 
 @pytest.mark.parametrize(
@@ -199,6 +291,13 @@ def test_a_sentinel_url_is_read_as_kombu_reads_a_sentinel_broker() -> None:
         ("sentinel://:pw@/0?master_name=a", "sentinel 1 names no host"),
         ("sentinel://10.0.0.1;redis://10.0.0.2?master_name=a", "part 2 of the sentinel list"),
         ("sentinel://10.0.0.1?master_name=a&min_other_sentinels=one", "a whole number"),
+        ("sentinel://10.0.0.1?master_name=a&ssl=yes", "ssl must be true or false, got 'yes'"),
+        ("sentinel://10.0.0.1?master_name=a&ssl_ca_certs=/ca.pem", "without ssl=true"),
+        ("sentinel://10.0.0.1?master_name=a&ssl=true&sentinel_ssl_ca_certs=/c", "sentinel_ssl="),
+        ("sentinel://10.0.0.1?master_name=a&ssl=true&ssl_cert_reqs=CERT_REQUIRED", "none, opt"),
+        ("sentinel://10.0.0.1?master_name=a&ssl=true&ssl_check_hostname=no", "not true or false"),
+        ("sentinel://10.0.0.1?master_name=a&ssl=true&ssl_ocsp_context=x", "unknown query"),
+        ("sentinel://10.0.0.1?master_name=a&sentinel_ssl_verify=x", "unknown query argument"),
     ],
 )
 def test_a_malformed_sentinel_url_is_refused_with_what_is_wrong(url: str, problem: str) -> None:
@@ -232,6 +331,14 @@ def test_the_brokers_sentinels_and_master_name_give_the_lock_store_when_no_url_i
     assert (read.master_name, read.db, read.password, read.sentinel_password) == (
         "queues", 4, "pw", "watch")  # fmt: skip
     assert read.min_other_sentinels == 1
+    # TLS: broker_use_ssl for the master, the ssl options of sentinel_kwargs for the sentinels.
+    app.conf.broker_use_ssl = {"ssl_cert_reqs": "CERT_REQUIRED", "ssl_ca_certs": "/ca.pem"}
+    app.conf.broker_transport_options["sentinel_kwargs"].update(ssl=True, ssl_check_hostname=False)
+    read = SentinelURL.parse(lock_store_url(app, LockSettings()))
+    assert read.master_tls == {"ssl_cert_reqs": "required", "ssl_ca_certs": "/ca.pem"}
+    assert read.sentinel_tls == {"ssl_check_hostname": False}
+    app.conf.broker_use_ssl = True  # kombu reads only a dict here, and connects without TLS
+    assert SentinelURL.parse(lock_store_url(app, LockSettings())).master_tls is None
     # celery_lock_redis_url still wins.
     assert lock_store_url(app, LockSettings(redis_url="redis://elsewhere/2")) == (
         "redis://elsewhere/2"
@@ -243,14 +350,14 @@ def test_the_brokers_sentinels_and_master_name_give_the_lock_store_when_no_url_i
     [
         ({}, "broker_transport_options", "no master_name"),
         (
-            {"broker_transport_options": {"master_name": "q", "sentinel_kwargs": {"ssl": True}}},
+            {"broker_transport_options": {"master_name": "q", "sentinel_kwargs": {"db": 1}}},
             "celery_lock_redis_url",
-            "sentinel_kwargs give ssl",
+            "sentinel_kwargs give db, which the lock store does not read",
         ),
         (
             {"broker_transport_options": {"master_name": "q"}, "broker_use_ssl": {"a": 1}},
-            "celery_lock_redis_url",
-            "over TLS",
+            "broker_url",
+            "unknown query argument 'a'",
         ),
     ],
 )
@@ -277,6 +384,71 @@ def test_a_lease_taken_through_the_sentinel_lives_on_its_master(
     assert isinstance(store.acquire(keys("1"), new_token(), 60_000, HOLDER, 60_000), Held)
 
 
+@pytest.mark.parametrize("sentinel_tls", [True, False], ids=["sentinel-tls", "sentinel-plain"])
+def test_a_lease_taken_over_tls_lives_on_the_master_the_sentinel_names(
+    tls_group: Group, sentinel_tls: bool
+) -> None:
+    """The master over TLS, asked for through a sentinel over TLS or not: the sentinel names the
+    master's TLS port, where a connection without TLS would be dropped."""
+    with closing(LockStore.from_url(tls_group.url(sentinel_tls=sentinel_tls))) as store:
+        token = new_token()
+        granted(store.acquire(keys(f"tls-{sentinel_tls}"), token, 60_000, HOLDER, 60_000))
+        master_port = tls_group.port_of(tls_group.master)
+        assert master_port != tls_group.master.port
+        assert address_of(store.client) == f"master {MASTER_NAME} at 127.0.0.1:{master_port}"
+        pooled = _check_out(store.client.connection_pool)
+        try:
+            assert isinstance(pooled, SentinelManagedSSLConnection)
+        finally:
+            store.client.connection_pool.release(pooled)
+    with tls_group.master.client(2) as master:
+        assert master.get(keys(f"tls-{sentinel_tls}").lock).startswith(token.encode())
+
+
+def test_a_store_over_tls_trusts_only_the_ca_its_url_names(tls_group: Group) -> None:
+    """Without the group's CA (the system's CAs instead), neither the master's certificate nor
+    the sentinel's is trusted: a call fails as "not now", as while no server is reachable."""
+    assert tls_group.tls is not None
+    ca = quote(tls_group.tls.ca_file, safe="")
+    for untrusting, problem in [
+        (tls_group.url(sentinel_tls=False).replace(f"&ssl_ca_certs={ca}", ""), "CERTIFICATE"),
+        (tls_group.url().replace(f"&sentinel_ssl_ca_certs={ca}", ""), "No master found"),
+    ]:
+        with (
+            closing(LockStore.from_url(untrusting, retry_deadline=0.2)) as store,
+            pytest.raises(LockStoreUnavailableError, match=problem),
+        ):
+            store.acquire(keys("untrusted"), new_token(), 60_000, HOLDER, 60_000)
+    with tls_group.master.client(2) as master:
+        assert not master.exists(keys("untrusted").lock)
+
+
+def test_a_sentinel_broker_over_tls_lends_the_lock_store_its_tls_options(tls_group: Group) -> None:
+    """kombu reaches the master with ``broker_use_ssl`` and the sentinels with the TLS options
+    of ``sentinel_kwargs``; the lock store found from the broker does the same."""
+    assert tls_group.tls is not None
+    ca_file = tls_group.tls.ca_file
+    app = broker_app(
+        f"sentinel://127.0.0.1:{tls_group.watcher.tls_port}/0",
+        broker_transport_options={
+            "master_name": MASTER_NAME,
+            "sentinel_kwargs": {"ssl": True, "ssl_ca_certs": ca_file},
+        },
+        broker_use_ssl={"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": ca_file},
+    )
+    with app.connection_for_write() as connection:  # kombu itself, as the worker connects
+        assert connection.default_channel.client.ping()
+    url = lock_store_url(app, LockSettings())
+    read = SentinelURL.parse(url)
+    assert read.master_tls == {"ssl_cert_reqs": "required", "ssl_ca_certs": ca_file}
+    assert read.sentinel_tls == {"ssl_ca_certs": ca_file}
+    with closing(LockStore.from_url(url)) as store:
+        granted(store.acquire(keys("broker-tls"), new_token(), 60_000, HOLDER, 60_000))
+    with tls_group.master.client(0) as master:
+        assert master.exists(keys("broker-tls").lock)
+
+
+@pytest.mark.parametrize("group", ["plain", "tls"], indirect=True)
 def test_after_a_failover_the_store_follows_the_sentinel_to_the_new_master(
     group: Group, caplog: pytest.LogCaptureFixture, store: LockStore
 ) -> None:
@@ -288,7 +460,7 @@ def test_after_a_failover_the_store_follows_the_sentinel_to_the_new_master(
 
     group.watcher.client.execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
     wait_for("the replica to be promoted", lambda: group.watcher.master_port() == (
-        group.replica.port))  # fmt: skip
+        group.port_of(group.replica)))  # fmt: skip
     # The sentinel demotes the old master once it reads its INFO again (every 10 s); until
     # then it takes writes, as any Redis does in a failover (semantics.md).
     with group.master.client() as old:
@@ -297,7 +469,7 @@ def test_after_a_failover_the_store_follows_the_sentinel_to_the_new_master(
 
     # The held connection meets READONLY; the next try asks the sentinel again.
     second = granted(store.acquire(keys("2"), new_token(), 60_000, HOLDER, 60_000))
-    assert address_of(store.client).endswith(f"127.0.0.1:{group.replica.port}")
+    assert address_of(store.client).endswith(f"127.0.0.1:{group.port_of(group.replica)}")
     with group.replica.client(2) as new_master:
         assert new_master.exists(keys("2").lock)
     # The lease taken before the failover holds on the new master.
@@ -305,7 +477,7 @@ def test_after_a_failover_the_store_follows_the_sentinel_to_the_new_master(
     assert second != first
     assert (store.failovers, store.restarts) == (1, 0)
     [warning] = [r.getMessage() for r in caplog.records if "another server" in r.getMessage()]
-    assert f"127.0.0.1:{group.replica.port}" in warning
+    assert f"127.0.0.1:{group.port_of(group.replica)}" in warning
     assert "a failover" in warning
 
 
