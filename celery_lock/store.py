@@ -241,7 +241,7 @@ class LockStore:
 
     def close(self) -> None:
         """Close the client's connections, the store's own one included. (``Redis.close()``
-        alone leaves the pool's connections open on redis-py 5.0.0.)"""
+        alone leaves the pool's connections open on redis-py 5.0.)"""
         self.client.close()
         self.client.connection_pool.disconnect()
 

@@ -261,7 +261,7 @@ class RedisServer:
         """Return a new ``redis.Redis`` for database ``db``; ``kwargs`` go to the client.
 
         Its ``close()`` (and so leaving ``with server.client() as client:``) closes its
-        connections, on redis-py 5.0.0 too, whose ``close()`` leaves the pool's open.
+        connections, on redis-py 5.0 too, whose ``close()`` leaves the pool's open.
         """
         kwargs.setdefault("password", self.password)
         return _ClosingRedis(host="127.0.0.1", port=self.port, db=db, **kwargs)
