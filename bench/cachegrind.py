@@ -14,7 +14,10 @@ simulated cache: first-level instruction and data caches, and a last-level cache
   buffer's own counts, from a run that writes it and calls nothing, are taken off).
 
 Each figure is the difference between two runs of different length (``N`` and ``3N`` calls),
-so start-up and warm-up cancel; ``PYTHONHASHSEED`` is fixed so both runs do the same work, and
+so start-up and warm-up cancel; ``PYTHONHASHSEED`` is fixed so both runs do the same work, the
+cyclic garbage collector is off during the calls (one collection more or less moved a figure
+by up to 1.5 million instructions over the calls between: where collections fall depends on
+when the heartbeat's thread first ran), nothing on that thread waits by the clock, and
 the environment is padded to one size (:func:`padded_environment`), which would otherwise move
 a call's count by up to 1,600 instructions. The counts then agree within a few hundred
 instructions from run to run on one machine and interpreter, and between two trees
@@ -30,6 +33,7 @@ PATH.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import subprocess
 import sys
@@ -41,6 +45,8 @@ from pathlib import Path
 from shutil import which
 from unittest import mock
 
+from celery_lock.heartbeat import Heartbeat
+from celery_lock.runtime import get_runtime
 from celery_lock.store import LockStore
 
 from .profile import answered_at_once, no_op_tasks, timed_calls
@@ -84,12 +90,21 @@ def _run_calls(kind: str, count: int, thrash_bytes: int) -> None:
     # times, and on a loaded machine very different ones. The heartbeat would beat (every
     # 20 s by default) a different number of times in each.
     app.conf.celery_lock_ttl = UNBEATEN_TTL
+    # Nor while no lease is held, between calls: an idle heartbeat waits 20 s by default.
+    get_runtime(app).heartbeat = Heartbeat(default_interval=UNBEATEN_TTL)
     task = {"locked": locked, "plain": plain}.get(kind)
     buffer = bytearray(thrash_bytes)
     line = b"\x01" * len(buffer[::64])
     with mock.patch.object(LockStore, "_send", answered_at_once):
         if task is not None:
             timed_calls(task, WARMUP, 10**9)
+        # No cyclic collection among the measured calls: where one falls depends on when the
+        # heartbeat's thread allocated during the warm-up, which the clock decides, and one of
+        # the heap Celery builds costs 0.5 to 1.5 million instructions, several calls' worth.
+        # (Refcounting frees what a call allocates; the memory section of python -m bench
+        # checks that nothing piles up.)
+        gc.collect()
+        gc.disable()
         for number in range(count):
             if thrash_bytes:
                 buffer[::64] = line  # one write per cache line: evicts the task's lines

@@ -169,7 +169,7 @@ def test_py_spy_samples_a_prefork_worker_from_outside() -> None:
 def test_cachegrind_counts_a_call_of_each_kind() -> None:
     """``python -m bench.cachegrind``: per-call counts, each a difference of two real runs."""
     done = run_bench(
-        "--calls", "10", "--settings", "hot", cwd=ROOT, module="bench.cachegrind"
+        "--calls", "30", "--settings", "hot", cwd=ROOT, module="bench.cachegrind"
     )  # fmt: skip
     if done.returncode == 2 and "valgrind" in done.stderr:
         pytest.skip(done.stderr.strip())  # a system package: not in the test extra
