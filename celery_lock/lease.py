@@ -183,12 +183,17 @@ class Lease:
         return self.lost or _monotonic() - self.confirmed_at >= self.ttl_ms / 1000
 
     def mark_lost(self) -> None:
-        """Record the loss (once) and tell ``on_lost``."""
+        """Record the loss (once), tell ``on_lost``, then log it: once the loss is logged, the
+        body sees it (``request.lock_lost``, which ``on_lost`` sets)."""
         if self._lost:
             return
         self._lost = True
-        logger.error(
-            "celery-lock: lease on %s lost while task %s ran", self.keys.lock, self.holder.task_id
-        )
-        if self.on_lost is not None:
-            self.on_lost(self)
+        try:
+            if self.on_lost is not None:
+                self.on_lost(self)
+        finally:
+            logger.error(
+                "celery-lock: lease on %s lost while task %s ran",
+                self.keys.lock,
+                self.holder.task_id,
+            )

@@ -1223,6 +1223,22 @@ def test_garbage_mid_run_loses_the_lease_and_the_task_succeeds(
     assert admin.lrange(keys.lock, 0, -1) == [b"garbage"]  # left alone
 
 
+def test_a_lease_marked_lost_tells_its_task_before_the_loss_is_logged(
+    store: LockStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``on_lost`` (which sets the body's ``request.lock_lost``) runs before the ERROR is
+    logged: whoever reads the log and then asks the body finds the loss. (The test above raced
+    on that order, once in a full run.)"""
+    lease = Lease(store, KEYS, new_token(), 600_000, 1, HOLDER)
+    logged_before: list[bool] = []
+    lease.on_lost = lambda _: logged_before.append("lost while task" in caplog.text)
+    with caplog.at_level(logging.ERROR, logger="celery_lock.lease"):
+        lease.mark_lost()
+        lease.mark_lost()  # once only
+    assert logged_before == [False]
+    assert caplog.text.count("lost while task") == 1
+
+
 def test_a_wrong_password_fails_without_retry(
     lock_server: RedisServer, admin: redis.Redis, logs: Records
 ) -> None:
