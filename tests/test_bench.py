@@ -166,23 +166,37 @@ def test_py_spy_samples_a_prefork_worker_from_outside() -> None:
 
 
 @pytest.mark.timeout(QUICK_LIMIT)
-def test_cachegrind_counts_a_call_of_each_kind() -> None:
-    """``python -m bench.cachegrind``: per-call counts, each a difference of two real runs."""
+def test_cachegrind_counts_a_locked_call() -> None:
+    """``python -m bench.cachegrind``: per-call counts, each a difference of two real runs
+    (of a LockedTask only: each run of a kind keeps both cores busy for half a minute)."""
     done = run_bench(
-        "--calls", "30", "--settings", "hot", cwd=ROOT, module="bench.cachegrind"
+        "--calls", "30", "--settings", "hot", "--kinds", "locked", cwd=ROOT,
+        module="bench.cachegrind",
     )  # fmt: skip
     if done.returncode == 2 and "valgrind" in done.stderr:
         pytest.skip(done.stderr.strip())  # a system package: not in the test extra
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = {
-        tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")[3:-1]
-        for line in done.stdout.splitlines()
-        if line.startswith("| hot |")
-    }
-    assert set(rows) == {("hot", "plain"), ("hot", "locked"), ("hot", "LockedTask - plain")}
-    for kind in ("plain", "locked"):
-        # Even a no-op task's call runs well over 50,000 instructions: the calls were counted.
-        assert int(rows["hot", kind][0].replace(",", "")) > 50_000
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
+    [(setting, kind, instructions, *_)] = rows[2:]  # after the header and its rule
+    assert (setting.strip(), kind.strip()) == ("hot", "locked")
+    # Even a no-op task's call runs well over 50,000 instructions: the calls were counted.
+    assert int(instructions.replace(",", "")) > 50_000
+
+
+def test_cachegrind_renders_each_kind_and_the_difference_per_setting() -> None:
+    counts = {event: 1000.0 for event in cachegrind.EVENTS}
+    results = [
+        cachegrind.PerCall("plain", "hot", counts),
+        cachegrind.PerCall("locked", "hot", {**counts, "Ir": 1500.0}),
+        cachegrind.PerCall("locked", "cold", counts),
+    ]
+    table = cachegrind.render(results).splitlines()
+    assert table[0].startswith("| setting | task | instructions | I1 misses |")
+    assert table[2].startswith("| hot | plain | 1,000 | 1,000 |")
+    assert table[3].startswith("| hot | locked | 1,500 | 1,000 |")
+    assert table[4].startswith("| hot | LockedTask - plain | +500 | +0 |")
+    assert table[5].startswith("| cold | locked | 1,000 |")  # no plain: no difference row
+    assert len(table) == 6
 
 
 def test_cachegrind_pads_the_environment_to_one_size() -> None:
