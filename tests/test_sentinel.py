@@ -162,7 +162,8 @@ class Group:
     def _server(self, args: list[str], executable: str | None = None) -> RedisServer:
         """A server of the group (not started); with TLS, listening on a TLS port too. A
         replica syncs from a file, at once: Redis 7 waits 5 s for more replicas before a sync
-        over the socket (and a delay of 0 lost a write acknowledged by WAIT on 7.0.15)."""
+        over the socket. (With that wait set to 0, two failover tests on Redis 7.0.15 found a
+        write that WAIT had acknowledged missing on the promoted replica: not chased.)"""
         server = RedisServer(
             extra_args=[*args, "--repl-diskless-sync", "no"], executable=executable
         )
