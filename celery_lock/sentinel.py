@@ -25,6 +25,7 @@ asks the sentinels where the master is, and a connection to a master demoted by 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,11 +49,13 @@ _QUERY = ("master_name", "sentinel_username", "sentinel_password", "min_other_se
 _MASTER_TLS, _SENTINEL_TLS = "ssl", "sentinel_ssl"
 
 
+@functools.cache
 def _tls_parameters() -> dict[str, Callable[[str], Any]]:
     """The ``ssl_*`` options this redis-py's TLS connections take from a URL, each with how its
     text is read: as redis-py reads it from a ``rediss://`` URL's query, a flag as ``true`` or
     ``false`` (redis-py would read ``false`` as a true string), anything else as text. Options
-    that only an object can give (``ssl_ocsp_context``) are left out."""
+    that only an object can give (``ssl_ocsp_context``) are left out. Read once per process:
+    redis-py's signature does not change under it."""
     readers: dict[str, Callable[[str], Any]] = {}
     for name, parameter in inspect.signature(SSLConnection.__init__).parameters.items():
         if not name.startswith("ssl_") or name == "ssl_ocsp_context":
@@ -188,10 +191,9 @@ def _read_tls(
     """The TLS options that the query gives the connections ``switch`` (``ssl`` or
     ``sentinel_ssl``) turns TLS on for, read; ``None`` where it is not ``true``."""
     prefix = switch.removesuffix("ssl")
+    # Every such name is one of ``parameters``: parse refused any other.
     given = {
-        _tls_option(name): text
-        for name, text in query.items()
-        if name.startswith(f"{switch}_") and _tls_option(name) in parameters
+        _tls_option(name): text for name, text in query.items() if name.startswith(f"{switch}_")
     }
     try:
         enabled = _flag(query.get(switch, "false"))
