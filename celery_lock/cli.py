@@ -38,7 +38,7 @@ from .checks import check_single_endpoint
 from .config import LockSettings, check_value, conf_value
 from .exceptions import ConfigurationError
 from .keys import stored_key_part
-from .lease import decode_lock
+from .lease import decode_done, decode_lock
 from .runtime import lock_store_url
 from .store import client_for_url, reach
 
@@ -269,10 +269,14 @@ class LockAdmin:
             if task_id is None:
                 continue  # expired or deleted between SCAN and read
             # The task name is all that follows the tag's ":done:": it may hold ":done:" too.
-            done[done_key.removeprefix(done_prefix)] = {
-                "task_id": _not_a_string(key_type) if _wrong_type(task_id) else _text(task_id),
-                "ttl_left_s": _ttl_left(pttl),
-            }
+            entry: dict[str, Any] = {"task_id": _not_a_string(key_type)}
+            if not _wrong_type(task_id):
+                marker = decode_done(task_id)
+                entry["task_id"] = marker.task_id
+                if marker.handed_on_at is not None:  # a replaced run's, see lease.Done
+                    entry["handed_on_at"] = marker.handed_on_at
+            entry["ttl_left_s"] = _ttl_left(pttl)
+            done[done_key.removeprefix(done_prefix)] = entry
         return {
             "key": key,
             "lease": asdict(leases[0]) if leases else None,
@@ -553,9 +557,17 @@ def show_command(ctx: click.Context, key: str) -> None:
         lines += [f"holder    {lease['task_id']} ({lease['task']}) on {lease['worker']}",
                   f"age       {age}, {_left(lease['ttl_left_s'])}"]  # fmt: skip
     lines.append(f"fence     {'none' if info['fence'] is None else info['fence']}")
-    lines += [f"done      {task} by {d['task_id']} ({_left(d['ttl_left_s'], 0)})"
+    lines += [f"done      {task} {_how_done(d)} ({_left(d['ttl_left_s'], 0)})"
               for task, d in sorted(info["done"].items())] or ["done      none"]  # fmt: skip
     _emit(ctx, info, "\n".join(lines))
+
+
+def _how_done(marker: dict[str, Any]) -> str:
+    """``by <task id>``, or, for a request a run handed on with ``self.replace``, ``handed on
+    by <task id> at depth <n>``."""
+    if "handed_on_at" in marker:
+        return f"handed on by {marker['task_id']} at depth {marker['handed_on_at']}"
+    return f"by {marker['task_id']}"
 
 
 @lock.command(name="release")

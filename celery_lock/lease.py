@@ -1,8 +1,9 @@
 """One request's lease, and the outcomes of asking for it.
 
 A grant is a :class:`Lease` (token, fence, TTL, holder); the other outcomes are values too:
-:class:`Held` (someone else holds it) and :class:`Done` (the request was completed).
-:class:`~celery_lock.store.LockStore` produces them from the script replies.
+:class:`Held` (someone else holds it) and :class:`Done` (the request was completed, or handed on
+by ``self.replace(sig)``). :class:`~celery_lock.store.LockStore` produces them from the script
+replies.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ __all__ = [
     "Lease",
     "LockEntry",
     "Outcome",
+    "decode_done",
     "decode_lock",
+    "encode_done",
     "encode_lock",
     "new_token",
 ]
@@ -134,9 +137,37 @@ class Held:
 
 @dataclass(frozen=True)
 class Done:
-    """The request was completed by task ``task_id`` and is remembered as done."""
+    """The request was completed by task ``task_id`` and is remembered as done; or, with
+    ``handed_on_at``, task ``task_id`` handed it on with ``self.replace(sig)``."""
 
     task_id: str
+    #: The replacement depth (Celery's ``replaced_task_nesting``) of the run that handed the
+    #: request on; ``None``: a run completed it. Only a message of the same task id at a
+    #: greater depth (the replacement, or one of its own) runs the task on the request again.
+    handed_on_at: int | None = None
+
+
+#: How a hand-on marker starts: a byte no UTF-8 text holds, so no task id reads as one.
+HANDED_ON = b"\xffhanded-on:"
+
+
+def encode_done(task_id: str, handed_on_at: int | None = None) -> bytes:
+    """A done-marker's value: the task id of the run that completed the request, or, with
+    ``handed_on_at``, ``HANDED_ON + b"<depth>:<task id>"`` for a run that handed it on."""
+    if handed_on_at is None:
+        return task_id.encode()
+    return HANDED_ON + f"{handed_on_at}:{task_id}".encode()
+
+
+def decode_done(value: str | bytes) -> Done:
+    """Parse a done-marker's value (see :func:`encode_done`); text that is not a hand-on
+    marker is the id of the task that completed the request."""
+    data = value.encode() if isinstance(value, str) else value
+    if data.startswith(HANDED_ON):
+        depth, _, task_id = data[len(HANDED_ON) :].partition(b":")
+        if depth.isdigit():
+            return Done(task_id.decode(errors="replace"), handed_on_at=int(depth))
+    return Done(data.decode(errors="replace"))
 
 
 Outcome = Acquired | Held | Done
@@ -167,6 +198,9 @@ class Lease:
     #: Set when the body published its retry (:meth:`celery_lock.LockedTask.retry`): the run
     #: is not the request's last, so its release writes no done-marker.
     retry_sent: bool = field(default=False, repr=False)
+    #: Set when the body hands the request on (``self.replace(sig)``), to its replacement
+    #: depth: a successful release then writes a hand-on marker (see :class:`Done`).
+    handed_on_at: int | None = field(default=None, repr=False)
 
     @property
     def lost(self) -> bool:

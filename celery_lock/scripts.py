@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import redis
 from redis.commands.core import Script
 
-__all__ = ["ACQUIRE", "EXTEND", "RELEASE", "Scripts"]
+__all__ = ["ACQUIRE", "EXTEND", "RELEASE", "WITHDRAW", "Scripts"]
 
 # KEYS[1] - lock (string "<token> <fence> <holder>")
 # KEYS[2] - fence counter
@@ -38,8 +38,13 @@ __all__ = ["ACQUIRE", "EXTEND", "RELEASE", "Scripts"]
 #           above every fence the old one gave, unless the two callers' clocks differ by more than
 #           the old counter lived. Not read from TIME: see ARGV[3], and the script stays
 #           deterministic, so no replica runs it differently.
+# ARGV[6] - (a replacement only) the message's replacement depth (Celery's
+#           replaced_task_nesting), and
+# ARGV[7] - its task id: a hand-on marker ("\xffhanded-on:<depth>:<task id>", written by the
+#           release of a run that called self.replace) of this task id at a lesser depth lets it
+#           through; every other marker answers "done"
 # return <fence>                              -- granted (an integer reply, below 2^53)
-#      | {"done", <task id that completed it>}
+#      | {"done", <the done-marker: the task id that completed it, or a hand-on marker>}
 #      | {"held", "<fence> <holder>", <pttl>}  -- the holder's token is never returned
 # Re-entrant: the same token is granted again (its TTL reset, fence unchanged), so an acquire
 # retried after a lost reply does not report HELD against itself.
@@ -57,7 +62,13 @@ ACQUIRE = """
 redis.replicate_commands()
 local done = redis.call('GET', KEYS[3])  -- GET, not MGET: MGET reads a key of another type
 if done then                             -- as nil, and garbage must not pass for "free"
-    return {'done', done}
+    local depth, id = false, false
+    if ARGV[6] then
+        depth, id = string.match(done, '^\\255handed%-on:(%d+):(.*)$')
+    end
+    if not (id == ARGV[7] and tonumber(depth) < tonumber(ARGV[6])) then
+        return {'done', done}
+    end
 end
 local lock = redis.call('GET', KEYS[1])
 if lock then
@@ -132,7 +143,7 @@ return 0
 # ARGV[1] - token
 # ARGV[2] - done-marker TTL in milliseconds
 # ARGV[3] - outcome: "success" writes the done-marker, anything else does not
-# ARGV[4] - task id to record in the done-marker
+# ARGV[4] - the done-marker's value: the task id, or a hand-on marker (see ACQUIRE)
 # ARGV[5] - the lease's fence
 # return 1 if the token owned the lock (now deleted)
 #      | 2 if it no longer does but this very release already deleted it, an earlier try whose
@@ -171,13 +182,26 @@ return 3
 """
 
 
+# KEYS[1] - done-marker of this task name
+# ARGV[1] - the hand-on marker a release wrote (see ACQUIRE)
+# return 1 if the done-marker still was that marker (now deleted), else 0: the replacement it
+#        announced was never sent, and a later copy must run the request
+WITHDRAW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
 @dataclass(frozen=True)
 class Scripts:
-    """The three scripts registered on one client."""
+    """The scripts registered on one client."""
 
     acquire: Script
     extend: Script
     release: Script
+    withdraw: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> Scripts:
@@ -186,4 +210,5 @@ class Scripts:
             acquire=client.register_script(ACQUIRE),
             extend=client.register_script(EXTEND),
             release=client.register_script(RELEASE),
+            withdraw=client.register_script(WITHDRAW),
         )

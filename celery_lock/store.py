@@ -67,7 +67,7 @@ except ImportError:  # pragma: no cover - hiredis is a dependency; redis-py work
 
 from .exceptions import LockStateError, LockStoreError, LockStoreUnavailableError
 from .keys import RequestKeys
-from .lease import Acquired, Done, Held, Holder, Lease, Outcome, decode_lock
+from .lease import Acquired, Held, Holder, Lease, Outcome, decode_done, decode_lock, encode_done
 from .scripts import Scripts
 from .sentinel import is_sentinel_url, sentinel_master_client
 
@@ -543,7 +543,13 @@ class LockStore:
         return None
 
     def acquire(
-        self, keys: RequestKeys, token: str, ttl_ms: int, holder: Holder, fence_ttl_ms: int
+        self,
+        keys: RequestKeys,
+        token: str,
+        ttl_ms: int,
+        holder: Holder,
+        fence_ttl_ms: int,
+        replaced_depth: int = 0,
     ) -> Outcome:
         """Run the acquire script (retried on transient errors: it is re-entrant for ``token``).
 
@@ -551,6 +557,11 @@ class LockStore:
         microseconds since the epoch, so fences keep increasing across a counter that lapsed,
         was evicted or was lost with a restart (while the callers' clocks agree to within the
         old counter's lifetime); each later grant adds one.
+
+        ``replaced_depth`` is the message's replacement depth (Celery's
+        ``replaced_task_nesting``): a replacement passes a hand-on marker that a run of its own
+        task id (``holder.task_id``) wrote at a lesser depth, where any other copy finds the
+        request :class:`~celery_lock.lease.Done`.
 
         Raises:
             LockStoreUnavailableError: the store stayed unreachable (or refusing) for every try.
@@ -561,7 +572,9 @@ class LockStore:
         # A new counter's first fence is the clock (see scripts.ACQUIRE), while a Lua number
         # holds it exactly; a clock past the year 2255 starts it at 1 instead.
         seed = now_us if now_us < _FENCE_MAX else 0
-        args = (token, ttl_ms, holder.describe(now_us // 1000), fence_ttl_ms, seed)
+        args: tuple[Any, ...] = (token, ttl_ms, holder.describe(now_us // 1000), fence_ttl_ms, seed)
+        if replaced_depth:
+            args += (replaced_depth, holder.task_id)
         roles = {"lock": keys.lock, "fence": keys.fence, "done": keys.done}
         reply = self._call(
             "acquire",
@@ -574,7 +587,8 @@ class LockStore:
     def release(
         self, lease: Lease, *, success: bool, done_ttl_ms: int, tried_before: bool = False
     ) -> bool | None:
-        """Delete the lock if ``lease`` still owns it, writing the done-marker on success.
+        """Delete the lock if ``lease`` still owns it, writing the done-marker on success (a
+        hand-on marker if ``lease.handed_on_at`` is set).
 
         A try whose reply was lost (tried again here on transient errors) may have released it,
         and a later try finds the lease no longer held. A success's later try tells by the
@@ -604,7 +618,7 @@ class LockStore:
             lease.token,
             done_ttl_ms,
             "success" if success else "failure",
-            lease.holder.task_id,
+            encode_done(lease.holder.task_id, lease.handed_on_at),
             lease.fence,
         ]
         tries = 0
@@ -631,6 +645,25 @@ class LockStore:
             )
             return None
         return bool(reply == 1)
+
+    def withdraw_hand_on(self, lease: Lease) -> bool:
+        """Delete the hand-on marker ``lease``'s release wrote, if the done-marker still is
+        that marker: the replacement it announced was never sent. Return whether it was.
+
+        Raises:
+            LockStoreUnavailableError: the store stayed unreachable (or refusing) for every try.
+            LockStateError: the done-marker key holds something celery-lock did not write.
+            LockStoreError: any other error reply.
+        """
+        keys = lease.keys
+        marker = encode_done(lease.holder.task_id, lease.handed_on_at)
+        reply = self._call(
+            "withdraw",
+            {"done": keys.done},
+            keys.lock,
+            lambda: self._evalsha(self.scripts.withdraw, [keys.done], [marker]),
+        )
+        return bool(reply)
 
     def extend_all(self, leases: Sequence[Lease]) -> list[bool]:
         """Reset the TTL of every lease in one pipelined round trip; ``True`` where still owned.
@@ -806,7 +839,7 @@ def _parse_acquire(reply: Any, lock_name: str) -> Outcome:
                 )
             return held
         if kind == "done":
-            return Done(task_id=_text(reply[1]))
+            return decode_done(reply[1])
     except (IndexError, KeyError, TypeError, ValueError):
         pass
     raise LockStateError(

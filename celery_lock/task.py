@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from celery import Signature, Task
 from celery._state import _task_stack  # type: ignore[attr-defined]
+from celery.app.amqp import AMQP
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
@@ -103,6 +104,12 @@ X_DEATH_HEADERS = frozenset(
         "x-last-death-queue",
         "x-last-death-reason",
     }
+)
+#: Whether this Celery sends a replacement with its depth in the message headers, where the
+#: worker reads it (``replaced_task_nesting``, since 5.3.5; before, it went out as a message
+#: property, and every replacement arrived at depth 0).
+_REPLACEMENTS_KEEP_THEIR_DEPTH = (
+    "replaced_task_nesting" in inspect.signature(AMQP.as_task_v2).parameters
 )
 #: ``Task.retry``'s parameters in their order, before its publish options.
 _RETRY_PARAMETERS = ("args", "kwargs", "exc", "throw", "eta", "countdown", "max_retries")
@@ -465,7 +472,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
         # here, Lease.expired errs early, never late, however long the acquire's tries took.
         asked_at = _monotonic()
         try:
-            outcome = store.acquire(keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms)
+            outcome = store.acquire(
+                keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms,
+                request.replaced_task_nesting or 0,
+            )  # fmt: skip
         except LockStoreError as exc:
             return self._without_store(exc, settings, keys, args, kwargs)
         except BaseException:
@@ -486,10 +496,13 @@ class LockedTask(Task):  # type: ignore[type-arg]
             return self._run_with_lease(lease, settings, args, kwargs, request, runtime.heartbeat)
         if isinstance(outcome, Done):
             if outcome.task_id and outcome.task_id == request.id:
-                # A redelivery of the very message that succeeded: ack it, keep SUCCESS.
+                # A redelivery of the very message that succeeded, or that handed the request
+                # on (its replacement, at a greater depth, got through): ack it, keep the
+                # state the run or its replacement stored.
                 logger.info(
-                    "celery-lock: %s already done by this task %s; acking the redelivery",
+                    "celery-lock: %s already %s by this task %s; acking the redelivery",
                     keys.lock,
+                    "done" if outcome.handed_on_at is None else "handed on",
                     request.id,
                 )
                 return _Ignored(Ignore())
@@ -632,25 +645,56 @@ class LockedTask(Task):  # type: ignore[type-arg]
             lease.retry_sent = True
 
     def on_replace(self, sig: Signature[Any]) -> Any:
-        """Hand the request on to ``sig``: release this run's lease (no done-marker), then send
-        ``sig`` as Celery does.
+        """Hand the request on to ``sig``: release this run's lease with a hand-on marker,
+        then send ``sig`` as Celery does.
 
         Released first because the replacement inherits this task id: sent first, a
         replacement locked on the same request (a paginating task replacing itself) would find
         the lease held by its own task id and wait for it to lapse, or, eager, fail with
-        :class:`LockContendedError`. No done-marker, because a done-marker naming this task id
-        would make such a replacement, or one further down (a task that replaces itself with a
-        poll that replaces itself with it again), skip itself as a redelivery that succeeded.
+        :class:`LockContendedError`. The hand-on marker (see :class:`~celery_lock.lease.Done`)
+        makes later copies of this request skip, and acks a redelivery of this message, as
+        after a success; the replacement, which Celery sends with this task id one replacement
+        deeper (``replaced_task_nesting``), gets through, and so do its own replacements. If
+        sending ``sig`` fails, the marker is withdrawn: no replacement will run the request.
+
+        Eager, and where this Celery sends a replacement without its depth (before 5.3.5), the
+        lease is released without a marker, and later copies run the replaced body again.
         """
         request = self.request
         lease: Lease | None = getattr(request, "lock_lease", None)
-        if lease is not None:
-            heartbeat = get_runtime(self.app).heartbeat
-            self._release(lease, self.lock_settings(), heartbeat, success=False)
-            # Eager, replace() returns and the body goes on, without the lease: check_lock()
-            # must say so.
-            request.lock_lost = True
-        return super().on_replace(sig)
+        if lease is None:
+            return super().on_replace(sig)
+        heartbeat = get_runtime(self.app).heartbeat
+        hand_on = _REPLACEMENTS_KEEP_THEIR_DEPTH and not request.is_eager
+        if hand_on:
+            lease.handed_on_at = request.replaced_task_nesting or 0
+        self._release(lease, self.lock_settings(), heartbeat, success=hand_on)
+        # Eager, replace() returns and the body goes on, without the lease: check_lock() must
+        # say so.
+        request.lock_lost = True
+        try:
+            return super().on_replace(sig)
+        except Ignore:  # sent: the replacement runs the request
+            raise
+        except BaseException:
+            if hand_on:
+                self._withdraw_hand_on(lease)
+            raise
+
+    def _withdraw_hand_on(self, lease: Lease) -> None:
+        """The replacement was not sent: delete the hand-on marker ``lease``'s release wrote,
+        so that a later copy runs the request."""
+        try:
+            lease.store.withdraw_hand_on(lease)
+        except LockStoreError as exc:
+            logger.error(
+                "celery-lock: %s stays marked as handed on by task %s, whose replacement was "
+                "not sent (%s): later copies are skipped until `celery lock forget %s`",
+                lease.keys.done,
+                lease.holder.task_id,
+                exc,
+                lease.keys.done,
+            )
 
     def _release(
         self, lease: Lease, settings: LockSettings, heartbeat: Heartbeat, *, success: bool
@@ -677,11 +721,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 "; the heartbeat tries again while the lease lasts" if later else "",
             )
             if later:
+                # A hand-on marker written later might announce a replacement whose send
+                # failed meanwhile: a hand-on released late writes none.
+                mark = success and lease.handed_on_at is None
                 heartbeat.release_later(
                     lease,
-                    success=success,
+                    success=mark,
                     done_ttl_ms=settings.done_ttl_ms,
-                    then=lambda owned: self._released(lease, success=success, owned=owned),
+                    then=lambda owned: self._released(lease, success=mark, owned=owned),
                 )
             return
         except BaseException:

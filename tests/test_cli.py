@@ -522,6 +522,23 @@ def test_a_lease_and_a_done_marker_without_a_ttl_show_no_ttl(
     assert "-1" not in listed.stdout + shown
 
 
+def test_show_tells_a_request_handed_on_by_a_replace_from_one_completed(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    store.release(take(store, 4, "task-4"), success=True, done_ttl_ms=60_000)
+    handed = take(store, 4, "task-9", task="storm.fetch")
+    handed.handed_on_at = 2  # as a run that called self.replace at depth 2 releases it
+    store.release(handed, success=True, done_ttl_ms=60_000)
+    done = LockAdmin(store.client, "celery-lock").show("storm.process:4")["done"]
+    assert (done["storm.process"]["task_id"], "handed_on_at" in done["storm.process"]) == (
+        "task-4", False
+    )  # fmt: skip
+    assert (done["storm.fetch"]["task_id"], done["storm.fetch"]["handed_on_at"]) == ("task-9", 2)
+    shown = celery_lock_cli(worker_env, "show", "storm.process:4").stdout
+    assert "done      storm.fetch handed on by task-9 at depth 2 (" in shown
+    assert "done      storm.process by task-4 (" in shown
+
+
 def test_release_without_a_lease_says_so_without_asking(
     worker_env: dict[str, str], store: LockStore
 ) -> None:

@@ -23,7 +23,7 @@ from celery.exceptions import Retry, SoftTimeLimitExceeded
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import before_task_publish, task_postrun
 from conftest import consecutive, hold, wait_for
-from kombu.exceptions import EncodeError
+from kombu.exceptions import EncodeError, OperationalError
 from recording import recording
 
 import celery_lock.events
@@ -165,6 +165,15 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
             return self.replace(self.si(request_idx, hops - 1))
         return f"landed {request_idx}"
 
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.handoff")
+    def handoff(self: Any, request_idx: int, send: bool = True) -> Any:
+        # Hands its request on to the next stage, a task of another name.
+        seen(self)
+        step = process.si(request_idx)
+        if not send:
+            step.delay = mock.Mock(side_effect=OperationalError("broker gone"))
+        return self.replace(step)
+
     @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.relay")
     def relay(self: Any, request_idx: int) -> str:
         value = self.replace(process.si(request_idx))  # eager: returns the replacement's value
@@ -209,7 +218,7 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
         nothing.apply_async(link=step)
         return str(step.id)
 
-    every = [process, pending, stage, flaky, resend, boom, slow, walk, hop, relay, quiet]
+    every = [process, pending, stage, flaky, resend, boom, slow, walk, hop, handoff, relay, quiet]
     every += [tags, nothing, hooked, sender]
     return {t.name.split(".", 1)[1]: t for t in every}
 
@@ -411,6 +420,67 @@ def test_replace_hands_the_request_on_and_the_last_run_marks_it_done(
     keys: RequestKeys = tasks["hop"].request_keys((7, 0), {})
     assert not lock_redis.exists(keys.lock)
     assert lock_redis.get(keys.done) == result.id.encode()
+
+
+replacements_keep_their_depth = pytest.mark.skipif(
+    not celery_lock.task._REPLACEMENTS_KEEP_THEIR_DEPTH,
+    reason="this Celery sends a replacement without its depth (before 5.3.5)",
+)
+
+
+@replacements_keep_their_depth
+def test_a_handed_on_request_skips_later_copies_and_acks_its_own_redelivery(
+    worker: Any,
+    tasks: dict[str, Any],
+    calls: Calls,
+    lock_redis: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="celery_lock.task")
+    result = tasks["handoff"].delay(7)
+    assert result.get(timeout=TIMEOUT) == "processed 7"
+    keys: RequestKeys = tasks["handoff"].request_keys((7,), {})
+    assert lock_redis.get(keys.done) == b"\xffhanded-on:0:" + result.id.encode()
+    assert not lock_redis.exists(keys.lock)
+    # Another message of the request: skipped as done, and followed to the replacement's value.
+    copy = skipped_copy(tasks["handoff"], 7, "done")
+    assert copy.info["holder"] == result.id
+    assert follow(copy, timeout=TIMEOUT) == "processed 7"
+    # The replaced message itself, delivered again: acked, and its SUCCESS kept.
+    tasks["handoff"].apply_async((7,), task_id=result.id)
+    acked = f"already handed on by this task {result.id}; acking the redelivery"
+    wait_for("the redelivery to be acked", lambda: acked in caplog.text, TIMEOUT)
+    assert (result.state, result.result) == ("SUCCESS", "processed 7")
+    assert (calls.count("t.handoff"), calls.count("t.process")) == (1, 1)
+
+
+@replacements_keep_their_depth
+def test_a_replacement_that_was_not_sent_leaves_the_request_to_run_again(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    failed = tasks["handoff"].delay(7, send=False)
+    with pytest.raises(OperationalError, match="broker gone"):
+        failed.get(timeout=TIMEOUT)
+    keys: RequestKeys = tasks["handoff"].request_keys((7,), {})
+    assert not lock_redis.exists(keys.done)
+    assert not lock_redis.exists(keys.lock)
+    assert tasks["handoff"].delay(7).get(timeout=TIMEOUT) == "processed 7"
+    assert calls.count("t.handoff") == 2
+
+
+@pytest.mark.skipif(
+    celery_lock.task._REPLACEMENTS_KEEP_THEIR_DEPTH,
+    reason="this Celery sends a replacement with its depth (5.3.5 and later)",
+)
+def test_where_replacements_lose_their_depth_a_replaced_request_leaves_no_marker(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    # Read as depth 0, a replacement of the same request would take its own marker for a
+    # redelivery's: released as before, without one, and a later copy runs the body again.
+    assert tasks["handoff"].delay(7).get(timeout=TIMEOUT) == "processed 7"
+    assert not lock_redis.exists(tasks["handoff"].request_keys((7,), {}).done)
+    assert tasks["handoff"].delay(7).get(timeout=TIMEOUT) == "processed 7"
+    assert calls.count("t.handoff") == 2
 
 
 def test_after_an_eager_replace_the_body_knows_it_holds_no_lease(

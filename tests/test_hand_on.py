@@ -1,0 +1,142 @@
+"""The hand-on marker a ``self.replace(sig)`` leaves, as the lock store's scripts read it.
+
+A run that hands its request on releases with a marker naming its task id and replacement
+depth (Celery's ``replaced_task_nesting``): copies of the request skip it as done, except a
+message of the same task id at a greater depth, the replacement.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from conftest import granted
+from hypothesis import given
+from hypothesis import strategies as st
+
+from celery_lock.keys import RequestKeys
+from celery_lock.lease import (
+    HANDED_ON,
+    Acquired,
+    Done,
+    Held,
+    Holder,
+    Lease,
+    decode_done,
+    encode_done,
+    new_token,
+)
+from celery_lock.store import LockStore
+
+ORIGINAL = Holder(task_id="task-1", task_name="shop.fetch", host="host-a", pid=101)
+DUPLICATE = Holder(task_id="task-2", task_name="shop.fetch", host="host-b", pid=202)
+KEYS = RequestKeys.build("celery-lock", "shop.fetch", "42", "shop.fetch")
+TTL_MS = 5_000
+
+
+@pytest.fixture
+def store(lock_url: str) -> LockStore:
+    return LockStore.from_url(lock_url)
+
+
+def hand_on(store: LockStore, holder: Holder, depth: int) -> Lease:
+    """Take the request's lease as ``holder`` at ``depth`` and hand it on."""
+    token = new_token()
+    fence = granted(store.acquire(KEYS, token, TTL_MS, holder, 60_000, depth))
+    lease = Lease(store, KEYS, token, TTL_MS, fence, holder, handed_on_at=depth)
+    assert store.release(lease, success=True, done_ttl_ms=30_000)
+    return lease
+
+
+def ask(store: LockStore, holder: Holder, depth: int) -> object:
+    return store.acquire(KEYS, new_token(), TTL_MS, holder, 60_000, depth)
+
+
+def test_a_hand_on_marker_names_the_task_id_and_its_depth(
+    store: LockStore, lock_redis: redis.Redis
+) -> None:
+    hand_on(store, ORIGINAL, 0)
+    assert lock_redis.get(KEYS.done) == b"\xffhanded-on:0:task-1"
+    assert not lock_redis.exists(KEYS.lock)
+    assert 0 < lock_redis.pttl(KEYS.done) <= 30_000
+
+
+def test_copies_of_a_handed_on_request_are_done_but_its_replacement_gets_through(
+    store: LockStore,
+) -> None:
+    hand_on(store, ORIGINAL, 0)
+    handed_on = Done(task_id="task-1", handed_on_at=0)
+    assert ask(store, DUPLICATE, 0) == handed_on  # another message of the request
+    assert ask(store, DUPLICATE, 1) == handed_on  # another task id's replacement
+    assert ask(store, ORIGINAL, 0) == handed_on  # the replaced message, redelivered
+    assert isinstance(ask(store, ORIGINAL, 1), Acquired)  # its replacement
+
+
+def test_a_replacement_that_hands_on_again_lets_only_a_deeper_one_through(
+    store: LockStore, lock_redis: redis.Redis
+) -> None:
+    first = hand_on(store, ORIGINAL, 0)
+    second = hand_on(store, ORIGINAL, 1)
+    assert second.fence > first.fence
+    assert lock_redis.get(KEYS.done) == b"\xffhanded-on:1:task-1"
+    assert ask(store, ORIGINAL, 1) == Done(task_id="task-1", handed_on_at=1)
+    token = new_token()
+    last = granted(store.acquire(KEYS, token, TTL_MS, ORIGINAL, 60_000, 2))
+    # The last replacement completes the request: a plain done-marker, final for every copy.
+    lease = Lease(store, KEYS, token, TTL_MS, last, ORIGINAL)
+    assert store.release(lease, success=True, done_ttl_ms=30_000)
+    assert lock_redis.get(KEYS.done) == b"task-1"
+    assert ask(store, ORIGINAL, 3) == Done(task_id="task-1")
+
+
+def test_a_replacement_running_holds_the_request_against_a_deeper_copy(
+    store: LockStore,
+) -> None:
+    hand_on(store, ORIGINAL, 0)
+    granted(ask(store, ORIGINAL, 1))
+    assert isinstance(ask(store, ORIGINAL, 2), Held)
+
+
+def test_a_release_whose_reply_was_lost_tells_its_hand_on_marker_by_its_value(
+    store: LockStore,
+) -> None:
+    lease = hand_on(store, ORIGINAL, 0)
+    # Tried again, the release finds the lock gone and the marker it wrote: released.
+    assert store.release(lease, success=True, done_ttl_ms=30_000) is True
+
+
+def test_a_hand_on_marker_is_withdrawn_only_while_it_is_the_one_written(
+    store: LockStore, lock_redis: redis.Redis
+) -> None:
+    lease = hand_on(store, ORIGINAL, 0)
+    assert store.withdraw_hand_on(lease)
+    assert not lock_redis.exists(KEYS.done)
+    assert not store.withdraw_hand_on(lease)
+    # The replacement ran and completed the request first: its marker stays.
+    lease = hand_on(store, ORIGINAL, 0)
+    lock_redis.set(KEYS.done, b"task-1")
+    assert not store.withdraw_hand_on(lease)
+    assert lock_redis.get(KEYS.done) == b"task-1"
+
+
+def test_a_copy_at_depth_0_sends_the_script_what_every_copy_sent_before(
+    store: LockStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[tuple[object, ...]] = []
+    evalsha = store._evalsha
+    monkeypatch.setattr(
+        store, "_evalsha", lambda s, k, a: sent.append(tuple(a)) or evalsha(s, k, a)
+    )
+    granted(store.acquire(KEYS, new_token(), TTL_MS, DUPLICATE, 60_000))
+    store.acquire(KEYS, new_token(), TTL_MS, ORIGINAL, 60_000, 3)
+    assert [len(args) for args in sent] == [5, 7]
+    assert sent[1][5:] == (3, "task-1")
+
+
+@given(
+    st.text(st.characters(exclude_categories=("Cs",))), st.integers(min_value=0, max_value=10**6)
+)
+def test_a_marker_reads_back_as_it_was_written(task_id: str, depth: int) -> None:
+    assert decode_done(encode_done(task_id)) == Done(task_id)
+    assert decode_done(encode_done(task_id, depth)) == Done(task_id, handed_on_at=depth)
+    # No task id reads as a hand-on marker: UTF-8 never holds the byte it starts with.
+    assert not task_id.encode().startswith(HANDED_ON)
