@@ -435,3 +435,25 @@ def test_eta_duplicate_with_another_task_id_runs_once(
     assert len(runs) == 1
     skipped = next(copy for copy in copies if copy.state == SKIPPED)
     assert skipped.info["holder"] == runs[0]["task_id"]
+
+
+# -- 5. a replaced task's message delivered again --------------------------------------------------
+
+
+def test_a_replaced_message_delivered_again_after_its_pool_process_died_is_acked_unrun(
+    start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
+) -> None:
+    # The pool process dies after sending the replacement, before its message is acked: the
+    # message comes back, finds the hand-on marker its own run left, and is acked unrun; the
+    # replacement, sent with the same task id, runs the request once.
+    worker = start_worker(**KILLED_POOL_ENV, FAULT_KILL_AFTER_REPLACE="1")
+    result = producer.send_task("fault.fetch", args=(5,))
+    wait_state(result, "SUCCESS", timeout=TIMEOUT)
+    assert result.result == 5
+    assert record.client.get("fault:killed-after-replace") == b"1"
+    acked = f"already handed on by this task {result.id}; acking the redelivery"
+    wait_for("the replaced message to come back", lambda: acked in worker.log(), TIMEOUT)
+    fetched = [json.loads(raw) for raw in record.client.lrange("fault:fetched", 0, -1)]
+    assert [entry["task_id"] for entry in fetched] == [result.id]
+    assert [task_id for task_id, _ in ran(record)] == [result.id]  # fault.work, once
+    assert result.state == "SUCCESS"

@@ -10,7 +10,8 @@ quickly) and ``FAULT_HEARTBEAT_INTERVAL`` (default a third of the TTL);
 Every body appends a ``started`` entry (with the pool process's pid, so a test can kill it) to
 ``fault:started`` as it begins, and a ``run`` entry with its interval to ``fault:runs`` when it
 ends; a run killed midway leaves only the first. Deferred and skipped copies are recorded in
-``fault:deferred`` and ``fault:skipped`` from celery-lock's signals.
+``fault:deferred`` and ``fault:skipped`` from celery-lock's signals. ``fault.fetch`` appends to
+``fault:fetched`` and hands its request on to ``fault.work``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import signal
 import time
 from typing import Any
 
+from celery.signals import after_task_publish
+
 from celery_lock import LockedTask
 from celery_lock.signals import lock_deferred, lock_skipped
 from tests.apps.common import Recorder, worker_test_app
@@ -29,6 +32,7 @@ STARTED_KEY = "fault:started"
 RUNS_KEY = "fault:runs"
 DEFERRED_KEY = "fault:deferred"
 SKIPPED_KEY = "fault:skipped"
+FETCHED_KEY = "fault:fetched"
 
 app = worker_test_app(
     "fault",
@@ -45,7 +49,8 @@ app = worker_test_app(
 )
 if os.environ.get("FAULT_HEARTBEAT_INTERVAL"):
     app.conf.celery_lock_heartbeat_interval = float(os.environ["FAULT_HEARTBEAT_INTERVAL"])
-_append = Recorder("FAULT").append
+_recorder = Recorder("FAULT")
+_append = _recorder.append
 
 
 @app.task(base=LockedTask, bind=True, lock_key="request_idx", max_retries=0, name="fault.work")
@@ -64,6 +69,27 @@ def work(self: Any, request_idx: int, seconds: float = 3.0) -> int:
         end=time.monotonic(),
     )
     return request_idx
+
+
+@app.task(base=LockedTask, bind=True, lock_key="request_idx", name="fault.fetch")
+def fetch(self: Any, request_idx: int) -> Any:
+    """Hands its request on to ``fault.work`` with ``self.replace``; with
+    ``FAULT_KILL_AFTER_REPLACE`` set, its first run's pool process dies right after the
+    replacement was sent, before its own message is acked (see :func:`_die_once_sent`)."""
+    _append(FETCHED_KEY, task_id=self.request.id, request_idx=request_idx)
+    return self.replace(work.si(request_idx, 0.2))
+
+
+@after_task_publish.connect
+def _die_once_sent(sender: str | None = None, **_: Any) -> None:
+    """Under ``FAULT_KILL_AFTER_REPLACE``, SIGKILL the first pool process that sends a
+    ``fault.work`` (``fault.fetch``'s replacement), as the OOM killer would."""
+    if (
+        sender == "fault.work"
+        and os.environ.get("FAULT_KILL_AFTER_REPLACE")
+        and _recorder.client.set("fault:killed-after-replace", 1, nx=True)
+    ):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @app.task(bind=True, name="fault.killed_once", default_retry_delay=0)
