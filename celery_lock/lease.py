@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .store import LockStore
 
 __all__ = [
+    "HANDED_ON",
     "Acquired",
     "Done",
     "Held",

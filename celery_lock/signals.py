@@ -36,10 +36,11 @@ lock_deferred = Signal(
 )
 
 #: The body finished and the lease was released. Extra arguments: ``success`` (a done-marker
-#: was written), ``owned`` (``False`` when the lease had been lost before the release; ``None``
-#: when a try whose reply was lost may have released it and nothing tells whether it did). Sent
-#: from the heartbeat thread for a release the lock store was unavailable for at first, which
-#: the heartbeat tried again; not sent for a release that never got an answer.
+#: was written; for a body that called ``self.replace``, a hand-on marker), ``owned`` (``False``
+#: when the lease had been lost before the release; ``None`` when a try whose reply was lost may
+#: have released it and nothing tells whether it did). Sent from the heartbeat thread for a
+#: release the lock store was unavailable for at first, which the heartbeat tried again; not sent
+#: for a release that never got an answer.
 lock_released = Signal(
     name="lock_released", providing_args=["task_id", "lock_key", "success", "owned"]
 )
