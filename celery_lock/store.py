@@ -618,7 +618,10 @@ class LockStore:
             lease.token,
             done_ttl_ms,
             "success" if success else "failure",
-            encode_done(lease.holder.task_id, lease.handed_on_at),
+            # As encode_done writes it, without a call per task for a marker that is the id.
+            lease.holder.task_id
+            if lease.handed_on_at is None
+            else encode_done(lease.holder.task_id, lease.handed_on_at),
             lease.fence,
         ]
         tries = 0
