@@ -158,11 +158,13 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
         return inner
 
     @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.hop")
-    def hop(self: Any, request_idx: int, hops: int) -> str:
+    def hop(self: Any, request_idx: int, hops: int, retry_last: bool = False) -> str:
         # Hands its request on to a copy of itself, as a paginating task does.
         seen(self, hops=hops)
         if hops:
-            return self.replace(self.si(request_idx, hops - 1))
+            return self.replace(self.si(request_idx, hops - 1, retry_last))
+        if retry_last and not self.request.retries:
+            raise self.retry(countdown=0.1)
         return f"landed {request_idx}"
 
     @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.handoff")
@@ -481,6 +483,17 @@ def test_where_replacements_lose_their_depth_a_replaced_request_leaves_no_marker
     assert not lock_redis.exists(tasks["handoff"].request_keys((7,), {}).done)
     tasks["handoff"].delay(7)  # its replacement finds t.process done, and is skipped
     wait_for("the copy to run", lambda: calls.count("t.handoff") == 2, TIMEOUT)
+
+
+def test_a_replacement_s_retry_keeps_its_depth_and_gets_through_the_hand_on_marker(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    result = tasks["hop"].delay(7, 1, True)
+    assert result.get(timeout=TIMEOUT) == "landed 7"
+    assert [(c["hops"], c["retries"], c["id"]) for c in calls.seen] == [
+        (1, 0, result.id), (0, 0, result.id), (0, 1, result.id)
+    ]  # fmt: skip
+    assert lock_redis.get(tasks["hop"].request_keys((7, 0), {}).done) == result.id.encode()
 
 
 def test_after_an_eager_replace_the_body_knows_it_holds_no_lease(
