@@ -24,6 +24,7 @@ from celery.result import AsyncResult
 from .config import LockSettings
 from .exceptions import ConfigurationError, LockStoreUnavailableError, ResultUnavailableError
 from .keys import RequestKeys
+from .lease import decode_done
 from .runtime import get_runtime
 from .states import SKIPPED
 from .store import LockStore
@@ -138,8 +139,10 @@ class _Holding:
         self.holder = holder
         self.lock_key = str(skipped.get("lock_key", ""))
         self.task_name = skipped.get("task")
-        # Skipped as done: the holder had finished before the copy was skipped.
-        self._finished = skipped.get("reason") == "done"
+        # Skipped as done: the holder had finished before the copy was skipped; unless it
+        # handed the request on (self.replace), and its replacement, which stores the result
+        # under the holder's task id, may still be to run.
+        self._finished = skipped.get("reason") == "done" and "handed_on_at" not in skipped
         self._lock_store: LockStore | None = None
         # This app cannot tell where the lock store is (found on the first try).
         self._unreadable = False
@@ -177,9 +180,10 @@ class _Holding:
                 exc,
             )
             return False
-        if isinstance(done, bytes):
-            done = done.decode(errors="replace")
-        self._finished = done == self.holder
+        if done is not None:
+            marker = decode_done(done)
+            # A hand-on marker: the replacement (another task, or this one again) is to come.
+            self._finished = marker.handed_on_at is None and marker.task_id == self.holder
         return self._finished
 
     def _store(self) -> LockStore:

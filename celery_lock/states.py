@@ -29,15 +29,22 @@ SKIPPED = "SKIPPED"
 _MARKER = "celery_lock"
 
 
-def skipped_marker(lock_key: str, reason: str, holder: str, task: str) -> dict[str, str]:
-    """The meta of a skipped copy (and its return value under ``skip_as_success``)."""
-    return {
+def skipped_marker(
+    lock_key: str, reason: str, holder: str, task: str, handed_on_at: int | None = None
+) -> dict[str, Any]:
+    """The meta of a skipped copy (and its return value under ``skip_as_success``); with
+    ``handed_on_at``, a copy skipped as ``done`` because ``holder`` handed the request on with
+    ``self.replace`` at that replacement depth (its replacement may still be running)."""
+    meta: dict[str, Any] = {
         _MARKER: "skipped",
         "reason": reason,
         "lock_key": lock_key,
         "holder": holder,
         "task": task,
     }
+    if handed_on_at is not None:
+        meta["handed_on_at"] = handed_on_at
+    return meta
 
 
 def is_skipped(value: Any) -> bool:
@@ -45,7 +52,7 @@ def is_skipped(value: Any) -> bool:
     return isinstance(value, dict) and value.get(_MARKER) == "skipped"
 
 
-def store_skipped(task: Task[Any, Any], task_id: str, meta: dict[str, str]) -> None:
+def store_skipped(task: Task[Any, Any], task_id: str, meta: dict[str, Any]) -> None:
     """Store ``SKIPPED`` with ``meta`` as the state of ``task``'s copy ``task_id``.
 
     Celery gives a stored state a ``date_done`` only when it is a ready state, and SKIPPED,

@@ -506,7 +506,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                     request.id,
                 )
                 return _Ignored(Ignore())
-            return self._skip(keys, "done", outcome.task_id, settings)
+            return self._skip(keys, "done", outcome.task_id, settings, outcome.handed_on_at)
         assert isinstance(outcome, Held)
         if outcome.task_id and outcome.task_id == request.id:
             # Same message, delivered again while its first delivery runs (visibility timeout,
@@ -784,7 +784,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
         return lease_lost
 
-    def _skip(self, keys: RequestKeys, reason: str, holder: str, settings: LockSettings) -> Any:
+    def _skip(
+        self,
+        keys: RequestKeys,
+        reason: str,
+        holder: str,
+        settings: LockSettings,
+        handed_on_at: int | None = None,
+    ) -> Any:
         request: Any = self.request
         logger.info(
             "celery-lock: skipping task %s: %s %s by task %s", request.id, keys.lock, reason, holder
@@ -794,7 +801,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         )
         # task-skipped is sent by the worker's main process (LockedRequest), which alone knows
         # whether the worker sends task events now.
-        meta = skipped_marker(keys.lock, reason, holder, self.name)
+        meta = skipped_marker(keys.lock, reason, holder, self.name, handed_on_at)
         if request.called_directly:
             # A direct call is plain Python: it gets the marker, not Celery's Ignore.
             return meta

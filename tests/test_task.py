@@ -355,6 +355,25 @@ def test_follow_raises_when_a_done_holder_left_no_result(
     assert (caught.value.task_id, caught.value.lock_name) == ("gone-id", copy.info["lock_key"])
 
 
+def test_follow_waits_past_its_grace_for_the_replacement_of_a_holder_that_handed_on(
+    worker: Any, tasks: dict[str, Any], store: LockStore, celery_app: Celery
+) -> None:
+    lease = hold(store, tasks["process"], 7, "handing-id")
+    lease.handed_on_at = 0  # its body called self.replace: the replacement stores the result
+    store.release(lease, success=True, done_ttl_ms=60_000)
+    copy = skipped_copy(tasks["process"], 7, "done")
+    assert (copy.info["holder"], copy.info["handed_on_at"]) == ("handing-id", 0)
+    with pytest.raises(CeleryTimeoutError):
+        follow(copy, timeout=1.0, grace=0.1)  # not ResultUnavailableError: it is to come
+    late = threading.Timer(0.5, celery_app.backend.store_result, ("handing-id", 3, "SUCCESS"))
+    late.start()
+    try:
+        assert follow(copy, timeout=TIMEOUT, grace=0.1) == 3
+    finally:
+        late.cancel()
+        late.join(TIMEOUT)
+
+
 @pytest.mark.parametrize("completed", [True, False], ids=["completed", "failed-or-died"])
 def test_follow_waits_for_a_running_holder_and_raises_only_once_it_completed_unstored(
     worker: Any, tasks: dict[str, Any], store: LockStore, completed: bool
