@@ -27,6 +27,7 @@ __all__ = [
     "HANDED_ON",
     "Acquired",
     "Done",
+    "HandOn",
     "Held",
     "Holder",
     "Lease",
@@ -143,21 +144,33 @@ class Done:
 
     task_id: str
     #: The replacement depth (Celery's ``replaced_task_nesting``) of the run that handed the
-    #: request on; ``None``: a run completed it. Only a message of the same task id at a
-    #: greater depth (the replacement, or one of its own) runs the task on the request again.
+    #: request on; ``None``: a run completed it. Only a message of the same canvas (root id) at
+    #: a greater depth, sent by the replacement, runs the task on the request again.
     handed_on_at: int | None = None
 
 
-#: How a hand-on marker starts: a byte no UTF-8 text holds, so no task id reads as one.
+@dataclass(frozen=True)
+class HandOn:
+    """How a run hands its request on with ``self.replace(sig)``: at replacement ``depth``
+    (Celery's ``replaced_task_nesting``), in the canvas of ``root_id`` (the root task id, which
+    the replacement and every step of it carry)."""
+
+    depth: int
+    root_id: str
+
+
+#: How a hand-on marker starts. Its fields are separated by the same byte, 0xFF, which no UTF-8
+#: text holds: no task id reads as a hand-on marker, and no id splits one.
 HANDED_ON = b"\xffhanded-on:"
 
 
-def encode_done(task_id: str, handed_on_at: int | None = None) -> bytes:
-    """A done-marker's value: the task id of the run that completed the request, or, with
-    ``handed_on_at``, ``HANDED_ON + b"<depth>:<task id>"`` for a run that handed it on."""
-    if handed_on_at is None:
-        return task_id.encode()
-    return HANDED_ON + f"{handed_on_at}:{task_id}".encode()
+def encode_done(task_id: str, hand_on: HandOn | None = None) -> str | bytes:
+    """A done-marker's value: the task id of the run that completed the request, or, for a run
+    that handed it on, ``HANDED_ON + b"<depth>\\xff<root id>\\xff<task id>"``."""
+    if hand_on is None:
+        return task_id
+    root, task = hand_on.root_id.encode(), task_id.encode()
+    return HANDED_ON + b"%d\xff%s\xff%s" % (hand_on.depth, root, task)
 
 
 def decode_done(value: str | bytes) -> Done:
@@ -165,9 +178,9 @@ def decode_done(value: str | bytes) -> Done:
     marker is the id of the task that completed the request."""
     data = value.encode() if isinstance(value, str) else value
     if data.startswith(HANDED_ON):
-        depth, _, task_id = data[len(HANDED_ON) :].partition(b":")
-        if depth.isdigit():
-            return Done(task_id.decode(errors="replace"), handed_on_at=int(depth))
+        fields = data[len(HANDED_ON) :].split(b"\xff")
+        if len(fields) == 3 and fields[0].isdigit():
+            return Done(fields[2].decode(errors="replace"), handed_on_at=int(fields[0]))
     return Done(data.decode(errors="replace"))
 
 
@@ -199,9 +212,9 @@ class Lease:
     #: Set when the body published its retry (:meth:`celery_lock.LockedTask.retry`): the run
     #: is not the request's last, so its release writes no done-marker.
     retry_sent: bool = field(default=False, repr=False)
-    #: Set when the body hands the request on (``self.replace(sig)``), to its replacement
-    #: depth: a successful release then writes a hand-on marker (see :class:`Done`).
-    handed_on_at: int | None = field(default=None, repr=False)
+    #: Set when the body hands the request on (``self.replace(sig)``): a successful release
+    #: then writes a hand-on marker (see :class:`Done`).
+    handed_on: HandOn | None = field(default=None, repr=False)
 
     @property
     def lost(self) -> bool:

@@ -40,9 +40,10 @@ __all__ = ["ACQUIRE", "EXTEND", "RELEASE", "WITHDRAW", "Scripts"]
 #           deterministic, so no replica runs it differently.
 # ARGV[6] - (a replacement only) the message's replacement depth (Celery's
 #           replaced_task_nesting), and
-# ARGV[7] - its task id: a hand-on marker ("\xffhanded-on:<depth>:<task id>", written by the
-#           release of a run that called self.replace) of this task id at a lesser depth lets it
-#           through; every other marker answers "done"
+# ARGV[7] - its canvas's root task id: a hand-on marker ("\xffhanded-on:<depth>\xff<root id>
+#           \xff<task id>", written by the release of a run that called self.replace) of the
+#           same root at a lesser depth lets it through (the replacement, or a step of it); every
+#           other marker answers "done"
 # return <fence>                              -- granted (an integer reply, below 2^53)
 #      | {"done", <the done-marker: the task id that completed it, or a hand-on marker>}
 #      | {"held", "<fence> <holder>", <pttl>}  -- the holder's token is never returned
@@ -62,11 +63,11 @@ ACQUIRE = """
 redis.replicate_commands()
 local done = redis.call('GET', KEYS[3])  -- GET, not MGET: MGET reads a key of another type
 if done then                             -- as nil, and garbage must not pass for "free"
-    local depth, id = false, false
+    local depth, root = false, false
     if ARGV[6] then
-        depth, id = string.match(done, '^\\255handed%-on:(%d+):(.*)$')
+        depth, root = string.match(done, '^\\255handed%-on:(%d+)\\255([^\\255]*)\\255')
     end
-    if not (id == ARGV[7] and tonumber(depth) < tonumber(ARGV[6])) then
+    if not (root == ARGV[7] and tonumber(depth) < tonumber(ARGV[6])) then
         return {'done', done}
     end
 end

@@ -550,6 +550,7 @@ class LockStore:
         holder: Holder,
         fence_ttl_ms: int,
         replaced_depth: int = 0,
+        root_id: str = "",
     ) -> Outcome:
         """Run the acquire script (retried on transient errors: it is re-entrant for ``token``).
 
@@ -559,9 +560,9 @@ class LockStore:
         old counter's lifetime); each later grant adds one.
 
         ``replaced_depth`` is the message's replacement depth (Celery's
-        ``replaced_task_nesting``): a replacement passes a hand-on marker that a run of its own
-        task id (``holder.task_id``) wrote at a lesser depth, where any other copy finds the
-        request :class:`~celery_lock.lease.Done`.
+        ``replaced_task_nesting``) and ``root_id`` its canvas's root task id: a replacement (or
+        a step of one) passes a hand-on marker that a run of the same root wrote at a lesser
+        depth, where any other copy finds the request :class:`~celery_lock.lease.Done`.
 
         Raises:
             LockStoreUnavailableError: the store stayed unreachable (or refusing) for every try.
@@ -574,7 +575,7 @@ class LockStore:
         seed = now_us if now_us < _FENCE_MAX else 0
         args: tuple[Any, ...] = (token, ttl_ms, holder.describe(now_us // 1000), fence_ttl_ms, seed)
         if replaced_depth:
-            args += (replaced_depth, holder.task_id)
+            args += (replaced_depth, root_id)
         roles = {"lock": keys.lock, "fence": keys.fence, "done": keys.done}
         reply = self._call(
             "acquire",
@@ -588,7 +589,7 @@ class LockStore:
         self, lease: Lease, *, success: bool, done_ttl_ms: int, tried_before: bool = False
     ) -> bool | None:
         """Delete the lock if ``lease`` still owns it, writing the done-marker on success (a
-        hand-on marker if ``lease.handed_on_at`` is set).
+        hand-on marker if ``lease.handed_on`` is set).
 
         A try whose reply was lost (tried again here on transient errors) may have released it,
         and a later try finds the lease no longer held. A success's later try tells by the
@@ -620,8 +621,8 @@ class LockStore:
             "success" if success else "failure",
             # As encode_done writes it, without a call per task for a marker that is the id.
             lease.holder.task_id
-            if lease.handed_on_at is None
-            else encode_done(lease.holder.task_id, lease.handed_on_at),
+            if lease.handed_on is None
+            else encode_done(lease.holder.task_id, lease.handed_on),
             lease.fence,
         ]
         tries = 0
@@ -659,7 +660,7 @@ class LockStore:
             LockStoreError: any other error reply.
         """
         keys = lease.keys
-        marker = encode_done(lease.holder.task_id, lease.handed_on_at)
+        marker = encode_done(lease.holder.task_id, lease.handed_on)
         reply = self._call(
             "withdraw",
             {"done": keys.done},

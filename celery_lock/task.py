@@ -78,7 +78,7 @@ from .exceptions import (
 )
 from .heartbeat import Heartbeat
 from .keys import KeyDeriver, LockKeySpec, RequestKeys
-from .lease import Acquired, Done, Held, Holder, Lease, new_token
+from .lease import Acquired, Done, HandOn, Held, Holder, Lease, new_token
 from .request import SkippedCopy
 from .runtime import get_runtime
 from .states import skipped_marker, store_skipped
@@ -472,9 +472,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
         # here, Lease.expired errs early, never late, however long the acquire's tries took.
         asked_at = _monotonic()
         try:
+            depth = request.replaced_task_nesting or 0
             outcome = store.acquire(
                 keys, token, settings.ttl_ms, holder, settings.fence_ttl_ms,
-                request.replaced_task_nesting or 0,
+                depth, _root_id(request) if depth else "",
             )  # fmt: skip
         except LockStoreError as exc:
             return self._without_store(exc, settings, keys, args, kwargs)
@@ -653,9 +654,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
         the lease held by its own task id and wait for it to lapse, or, eager, fail with
         :class:`LockContendedError`. The hand-on marker (see :class:`~celery_lock.lease.Done`)
         makes later copies of this request skip, and acks a redelivery of this message, as
-        after a success; the replacement, which Celery sends with this task id one replacement
-        deeper (``replaced_task_nesting``), gets through, and so do its own replacements. If
-        sending ``sig`` fails, the marker is withdrawn: no replacement will run the request.
+        after a success; the replacement, which Celery sends one replacement deeper
+        (``replaced_task_nesting``) in the same canvas (root id), gets through, and so does each
+        step of it (a chain's) and each of its own replacements. If sending ``sig`` fails, the
+        marker is withdrawn: no replacement will run the request.
 
         Eager, and where this Celery sends a replacement without its depth (before 5.3.5), the
         lease is released without a marker, and later copies run the replaced body again.
@@ -667,7 +669,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         heartbeat = get_runtime(self.app).heartbeat
         hand_on = _REPLACEMENTS_KEEP_THEIR_DEPTH and not request.is_eager
         if hand_on:
-            lease.handed_on_at = request.replaced_task_nesting or 0
+            lease.handed_on = HandOn(request.replaced_task_nesting or 0, _root_id(request))
         self._release(lease, self.lock_settings(), heartbeat, success=hand_on)
         # Eager, replace() returns and the body goes on, without the lease: check_lock() must
         # say so.
@@ -723,7 +725,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             if later:
                 # A hand-on marker written later might announce a replacement whose send
                 # failed meanwhile: a hand-on released late writes none.
-                mark = success and lease.handed_on_at is None
+                mark = success and lease.handed_on is None
                 heartbeat.release_later(
                     lease,
                     success=mark,
@@ -904,3 +906,9 @@ class LockedTask(Task):  # type: ignore[type-arg]
         lapse = max(pttl_ms / 1000, DEFER_MIN_DELAY) if pttl_ms > 0 else DEFER_MAX_DELAY
         jitter = random.uniform(0.8, 1.2)
         return float(min(backoff, lapse, DEFER_MAX_DELAY) * jitter)
+
+
+def _root_id(request: Any) -> str:
+    """The root task id of ``request``'s canvas, as Celery sends it: its own id when it has
+    none (Celery's ``as_task_v2`` gives a message without one its task id)."""
+    return str(request.root_id or request.id or "")

@@ -22,7 +22,7 @@ from conftest import granted
 from celery_lock.cli import LockAdmin
 from celery_lock.config import LockSettings
 from celery_lock.keys import RequestKeys, safe_key_part
-from celery_lock.lease import Acquired, Holder, Lease, encode_lock, new_token
+from celery_lock.lease import Acquired, HandOn, Holder, Lease, encode_lock, new_token
 from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer, free_port
 
@@ -527,7 +527,7 @@ def test_show_tells_a_request_handed_on_by_a_replace_from_one_completed(
 ) -> None:
     store.release(take(store, 4, "task-4"), success=True, done_ttl_ms=60_000)
     handed = take(store, 4, "task-9", task="storm.fetch")
-    handed.handed_on_at = 2  # as a run that called self.replace at depth 2 releases it
+    handed.handed_on = HandOn(2, "task-8")  # as a run that called self.replace releases it
     store.release(handed, success=True, done_ttl_ms=60_000)
     done = LockAdmin(store.client, "celery-lock").show("storm.process:4")["done"]
     assert (done["storm.process"]["task_id"], "handed_on_at" in done["storm.process"]) == (

@@ -1,11 +1,14 @@
 """The hand-on marker a ``self.replace(sig)`` leaves, as the lock store's scripts read it.
 
-A run that hands its request on releases with a marker naming its task id and replacement
-depth (Celery's ``replaced_task_nesting``): copies of the request skip it as done, except a
-message of the same task id at a greater depth, the replacement.
+A run that hands its request on releases with a marker naming its replacement depth (Celery's
+``replaced_task_nesting``), its canvas's root task id and its task id: copies of the request
+skip it as done, except a message of the same root at a greater depth, which only the
+replacement (or a step of it) is.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import redis
@@ -18,6 +21,7 @@ from celery_lock.lease import (
     HANDED_ON,
     Acquired,
     Done,
+    HandOn,
     Held,
     Holder,
     Lease,
@@ -38,24 +42,25 @@ def store(lock_url: str) -> LockStore:
     return LockStore.from_url(lock_url)
 
 
-def hand_on(store: LockStore, holder: Holder, depth: int) -> Lease:
-    """Take the request's lease as ``holder`` at ``depth`` and hand it on."""
+def hand_on(store: LockStore, holder: Holder, depth: int, root: str = "task-1") -> Lease:
+    """Take the request's lease as ``holder`` at ``depth`` of the canvas of ``root`` and hand
+    it on."""
     token = new_token()
-    fence = granted(store.acquire(KEYS, token, TTL_MS, holder, 60_000, depth))
-    lease = Lease(store, KEYS, token, TTL_MS, fence, holder, handed_on_at=depth)
+    fence = granted(store.acquire(KEYS, token, TTL_MS, holder, 60_000, depth, root))
+    lease = Lease(store, KEYS, token, TTL_MS, fence, holder, handed_on=HandOn(depth, root))
     assert store.release(lease, success=True, done_ttl_ms=30_000)
     return lease
 
 
-def ask(store: LockStore, holder: Holder, depth: int) -> object:
-    return store.acquire(KEYS, new_token(), TTL_MS, holder, 60_000, depth)
+def ask(store: LockStore, holder: Holder, depth: int, root: str = "task-1") -> object:
+    return store.acquire(KEYS, new_token(), TTL_MS, holder, 60_000, depth, root)
 
 
-def test_a_hand_on_marker_names_the_task_id_and_its_depth(
+def test_a_hand_on_marker_names_the_depth_the_root_and_the_task_id(
     store: LockStore, lock_redis: redis.Redis
 ) -> None:
     hand_on(store, ORIGINAL, 0)
-    assert lock_redis.get(KEYS.done) == b"\xffhanded-on:0:task-1"
+    assert lock_redis.get(KEYS.done) == b"\xffhanded-on:0\xfftask-1\xfftask-1"
     assert not lock_redis.exists(KEYS.lock)
     assert 0 < lock_redis.pttl(KEYS.done) <= 30_000
 
@@ -65,10 +70,17 @@ def test_copies_of_a_handed_on_request_are_done_but_its_replacement_gets_through
 ) -> None:
     hand_on(store, ORIGINAL, 0)
     handed_on = Done(task_id="task-1", handed_on_at=0)
-    assert ask(store, DUPLICATE, 0) == handed_on  # another message of the request
-    assert ask(store, DUPLICATE, 1) == handed_on  # another task id's replacement
+    assert ask(store, DUPLICATE, 0, root="task-2") == handed_on  # another message
+    assert ask(store, DUPLICATE, 1, root="task-2") == handed_on  # another canvas's replacement
     assert ask(store, ORIGINAL, 0) == handed_on  # the replaced message, redelivered
     assert isinstance(ask(store, ORIGINAL, 1), Acquired)  # its replacement
+
+
+def test_a_step_of_the_replacement_gets_through_under_its_own_task_id(store: LockStore) -> None:
+    # self.replace(chain(self.si(next_page), notify.si())): the chain's first step has a task
+    # id of its own, the replaced run's root, and the replacement's depth.
+    hand_on(store, ORIGINAL, 0)
+    assert isinstance(ask(store, DUPLICATE, 1, root="task-1"), Acquired)
 
 
 def test_a_replacement_that_hands_on_again_lets_only_a_deeper_one_through(
@@ -77,10 +89,10 @@ def test_a_replacement_that_hands_on_again_lets_only_a_deeper_one_through(
     first = hand_on(store, ORIGINAL, 0)
     second = hand_on(store, ORIGINAL, 1)
     assert second.fence > first.fence
-    assert lock_redis.get(KEYS.done) == b"\xffhanded-on:1:task-1"
+    assert lock_redis.get(KEYS.done) == b"\xffhanded-on:1\xfftask-1\xfftask-1"
     assert ask(store, ORIGINAL, 1) == Done(task_id="task-1", handed_on_at=1)
     token = new_token()
-    last = granted(store.acquire(KEYS, token, TTL_MS, ORIGINAL, 60_000, 2))
+    last = granted(store.acquire(KEYS, token, TTL_MS, ORIGINAL, 60_000, 2, "task-1"))
     # The last replacement completes the request: a plain done-marker, final for every copy.
     lease = Lease(store, KEYS, token, TTL_MS, last, ORIGINAL)
     assert store.release(lease, success=True, done_ttl_ms=30_000)
@@ -123,20 +135,25 @@ def test_a_copy_at_depth_0_sends_the_script_what_every_copy_sent_before(
 ) -> None:
     sent: list[tuple[object, ...]] = []
     evalsha = store._evalsha
-    monkeypatch.setattr(
-        store, "_evalsha", lambda s, k, a: sent.append(tuple(a)) or evalsha(s, k, a)
-    )
+
+    def recorded(script: Any, keys: Any, args: Any) -> Any:
+        sent.append(tuple(args))
+        return evalsha(script, keys, args)
+
+    monkeypatch.setattr(store, "_evalsha", recorded)
     granted(store.acquire(KEYS, new_token(), TTL_MS, DUPLICATE, 60_000))
-    store.acquire(KEYS, new_token(), TTL_MS, ORIGINAL, 60_000, 3)
+    store.acquire(KEYS, new_token(), TTL_MS, ORIGINAL, 60_000, 3, "task-1")
     assert [len(args) for args in sent] == [5, 7]
-    assert sent[1][5:] == (3, "task-1")
+    assert sent[1][5:] == (3, "task-1")  # depth, root
 
 
-@given(
-    st.text(st.characters(exclude_categories=("Cs",))), st.integers(min_value=0, max_value=10**6)
-)
-def test_a_marker_reads_back_as_it_was_written(task_id: str, depth: int) -> None:
+TASK_IDS = st.text(st.characters(exclude_categories=("Cs",)))
+
+
+@given(TASK_IDS, TASK_IDS, st.integers(min_value=0, max_value=10**6))
+def test_a_marker_reads_back_as_it_was_written(task_id: str, root: str, depth: int) -> None:
     assert decode_done(encode_done(task_id)) == Done(task_id)
-    assert decode_done(encode_done(task_id, depth)) == Done(task_id, handed_on_at=depth)
+    handed_on = encode_done(task_id, HandOn(depth, root))
+    assert decode_done(handed_on) == Done(task_id, handed_on_at=depth)
     # No task id reads as a hand-on marker: UTF-8 never holds the byte it starts with.
     assert not task_id.encode().startswith(HANDED_ON)

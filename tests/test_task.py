@@ -44,7 +44,7 @@ from celery_lock import (
     signals,
 )
 from celery_lock.keys import RequestKeys
-from celery_lock.lease import Holder, Lease
+from celery_lock.lease import HandOn, Holder, Lease
 from celery_lock.runtime import get_runtime
 from celery_lock.store import LockStore
 from celery_lock.task import DEFERRALS_HEADER
@@ -167,6 +167,15 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
             raise self.retry(countdown=0.1)
         return f"landed {request_idx}"
 
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.page")
+    def page(self: Any, request_idx: int, pages: int) -> str:
+        # Hands its request on to a chain: its next page (a task id of its own), then a plain
+        # task (which inherits this task id).
+        seen(self, pages=pages)
+        if pages:
+            return self.replace(chain(self.si(request_idx, pages - 1), nothing.si()))
+        return f"last page of {request_idx}"
+
     @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.handoff")
     def handoff(self: Any, request_idx: int, send: bool = True) -> Any:
         # Hands its request on to the next stage, a task of another name.
@@ -220,7 +229,8 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
         nothing.apply_async(link=step)
         return str(step.id)
 
-    every = [process, pending, stage, flaky, resend, boom, slow, walk, hop, handoff, relay, quiet]
+    every = [process, pending, stage, flaky, resend, boom, slow, walk, hop, page, handoff, relay]
+    every += [quiet]
     every += [tags, nothing, hooked, sender]
     return {t.name.split(".", 1)[1]: t for t in every}
 
@@ -359,7 +369,8 @@ def test_follow_waits_past_its_grace_for_the_replacement_of_a_holder_that_handed
     worker: Any, tasks: dict[str, Any], store: LockStore, celery_app: Celery
 ) -> None:
     lease = hold(store, tasks["process"], 7, "handing-id")
-    lease.handed_on_at = 0  # its body called self.replace: the replacement stores the result
+    # Its body called self.replace: the replacement stores the result under its task id.
+    lease.handed_on = HandOn(0, "handing-id")
     store.release(lease, success=True, done_ttl_ms=60_000)
     copy = skipped_copy(tasks["process"], 7, "done")
     assert (copy.info["holder"], copy.info["handed_on_at"]) == ("handing-id", 0)
@@ -461,7 +472,8 @@ def test_a_handed_on_request_skips_later_copies_and_acks_its_own_redelivery(
     result = tasks["handoff"].delay(7)
     assert result.get(timeout=TIMEOUT) == "processed 7"
     keys: RequestKeys = tasks["handoff"].request_keys((7,), {})
-    assert lock_redis.get(keys.done) == b"\xffhanded-on:0:" + result.id.encode()
+    marker = b"\xffhanded-on:0\xff%s\xff%s" % (result.id.encode(), result.id.encode())
+    assert lock_redis.get(keys.done) == marker
     assert not lock_redis.exists(keys.lock)
     # Another message of the request: skipped as done, and followed to the replacement's value.
     copy = skipped_copy(tasks["handoff"], 7, "done")
@@ -502,6 +514,20 @@ def test_where_replacements_lose_their_depth_a_replaced_request_leaves_no_marker
     assert not lock_redis.exists(tasks["handoff"].request_keys((7,), {}).done)
     tasks["handoff"].delay(7)  # its replacement finds t.process done, and is skipped
     wait_for("the copy to run", lambda: calls.count("t.handoff") == 2, TIMEOUT)
+
+
+def test_each_step_of_a_chain_that_replaced_a_run_gets_through_its_hand_on_marker(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    result = tasks["page"].delay(7, 2)
+    assert result.get(timeout=TIMEOUT) is None  # t.nothing's, last of the chains
+    pages = [(c["pages"], c["id"]) for c in calls.seen if c["task"] == "t.page"]
+    assert [p for p, _ in pages] == [2, 1, 0]
+    assert pages[0][1] == result.id
+    assert len({i for _, i in pages}) == 3  # each later page a chain's first step
+    assert consecutive([c["fence"] for c in calls.seen if c["task"] == "t.page"])
+    # The last page completed the request: its done-marker, final for every copy.
+    assert lock_redis.get(tasks["page"].request_keys((7, 0), {}).done) == pages[2][1].encode()
 
 
 def test_a_replacement_s_retry_keeps_its_depth_and_gets_through_the_hand_on_marker(
