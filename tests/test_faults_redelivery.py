@@ -447,12 +447,20 @@ def test_a_replaced_message_delivered_again_after_its_pool_process_died_is_acked
     # message comes back, finds the hand-on marker its own run left, and is acked unrun; the
     # replacement, sent with the same task id, runs the request once.
     worker = start_worker(**KILLED_POOL_ENV, FAULT_KILL_AFTER_REPLACE="1")
-    result = producer.send_task("fault.fetch", args=(5,))
+    # A second in the body first: a pool process killed before the pool has read that it took
+    # the job leaves the job to no one (billiard marks lost only the jobs a process accepted),
+    # and the message is neither acked nor returned while the worker runs.
+    result = producer.send_task("fault.fetch", args=(5, 1.0))
     wait_state(result, "SUCCESS", timeout=TIMEOUT)
     assert result.result == 5
     assert record.client.get("fault:killed-after-replace") == b"1"
     acked = f"already handed on by this task {result.id}; acking the redelivery"
-    wait_for("the replaced message to come back", lambda: acked in worker.log(), TIMEOUT)
+    try:  # the pool notices the dead process at once, or at its next check (see KILLED_POOL_TTL)
+        wait_for("the replaced message to come back", lambda: acked in worker.log(),
+                 2 * KILLED_POOL_TTL + TIMEOUT)  # fmt: skip
+    except BaseException:
+        print(worker.log()[-6000:])  # shown with the failure
+        raise
     fetched = [json.loads(raw) for raw in record.client.lrange("fault:fetched", 0, -1)]
     assert [entry["task_id"] for entry in fetched] == [result.id]
     assert [task_id for task_id, _ in ran(record)] == [result.id]  # fault.work, once
