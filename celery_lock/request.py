@@ -32,18 +32,30 @@ class SkippedCopy(Ignore):
     """Celery's ``Ignore`` for a copy skipped as a duplicate, carrying the ``task-skipped``
     fields across to the worker's main process (positional, so it pickles as it is)."""
 
-    def __init__(self, lock_key: str, reason: str, holder: str) -> None:
-        super().__init__(lock_key, reason, holder)
+    def __init__(
+        self, lock_key: str, reason: str, holder: str, handed_on_at: int | None = None
+    ) -> None:
+        super().__init__(lock_key, reason, holder, handed_on_at)
         self.lock_key, self.reason, self.holder = lock_key, reason, holder
+        #: The holder's replacement depth, for a copy skipped because the holder handed the
+        #: request on with ``self.replace``.
+        self.handed_on_at = handed_on_at
 
     def event_fields(self) -> dict[str, Any]:
-        """The fields of ``task-skipped``; ``result`` is the line Flower shows."""
-        return {
+        """The fields of ``task-skipped``; ``result`` is the line Flower shows. A copy skipped
+        for a hand-on marker also has ``handed_on_at``."""
+        fields: dict[str, Any] = {
             "lock_key": self.lock_key,
             "reason": self.reason,
             "holder": self.holder,
             "result": f"skipped: {self.reason} (holder {self.holder})",
         }
+        if self.handed_on_at is not None:
+            fields["handed_on_at"] = self.handed_on_at
+            fields["result"] = (
+                f"skipped: handed on (holder {self.holder}, at depth {self.handed_on_at})"
+            )
+        return fields
 
 
 class LockedRequest(Request):

@@ -812,7 +812,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             # result's repr: the pool process sends task-skipped itself, as the worker's
             # switch stood when the process started (like task-lock-lost).
             if not request.is_eager:
-                fields = SkippedCopy(keys.lock, reason, holder).event_fields()
+                fields = SkippedCopy(keys.lock, reason, holder, handed_on_at).event_fields()
                 send_task_event(
                     self, TASK_SKIPPED, request.id, request.hostname,
                     name=_shown_name(self, request), **fields,
@@ -820,7 +820,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             return meta
         if request.id and not request.is_eager and not _ignores_result(self, request):
             store_skipped(self, request.id, meta)
-        return _Ignored(SkippedCopy(keys.lock, reason, holder))
+        return _Ignored(SkippedCopy(keys.lock, reason, holder, handed_on_at))
 
     def _defer(
         self,

@@ -11,6 +11,7 @@ from celery import Celery
 from celery.events.state import State
 from conftest import wait_for
 
+import celery_lock.task
 from celery_lock import SKIPPED, LockedTask, is_skipped
 from celery_lock.events import task_events_enabled
 from celery_lock.testing import CeleryWorker, EventTap
@@ -62,6 +63,26 @@ def test_skipped_copy_sends_task_skipped_event(
     assert "skipped" in event["result"]
     assert "args" not in event
     assert "kwargs" not in event
+
+
+@pytest.mark.skipif(
+    not celery_lock.task._REPLACEMENTS_KEEP_THEIR_DEPTH,
+    reason="this Celery sends a replacement without its depth (before 5.3.5): no hand-on marker",
+)
+def test_a_copy_skipped_for_a_hand_on_says_so_in_task_skipped(
+    make_producer: Callable[..., Celery], events_worker: CeleryWorker, worker_env: dict[str, str]
+) -> None:
+    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
+    with EventTap(app, "task-skipped") as tap:
+        first = app.send_task("storm.handoff", args=(3,))
+        assert first.get(timeout=30) == 3  # storm.process's, under the same task id
+        copy = app.send_task("storm.handoff", args=(3,))
+        wait_for("task-skipped", lambda: copy.state == SKIPPED and tap.events)
+    [event] = tap.events
+    assert (event["uuid"], event["reason"], event["holder"]) == (copy.id, "done", first.id)
+    assert event["handed_on_at"] == 0
+    assert event["result"] == f"skipped: handed on (holder {first.id}, at depth 0)"
+    assert copy.info["handed_on_at"] == 0
 
 
 @SKIP_MODES

@@ -99,6 +99,12 @@ def hold(self: Any, request_idx: int, seconds: float = 20.0) -> int:
     return request_idx
 
 
+@app.task(base=LockedTask, bind=True, lock_key="request_idx", name="storm.handoff")
+def handoff(self: Any, request_idx: int) -> Any:
+    """Hands its request on to ``storm.process`` with ``self.replace``."""
+    return self.replace(process.si(request_idx))
+
+
 @app.task(
     base=LockedTask, lock_key="request_idx", lock_ttl=10.0, lock_heartbeat_interval=6.0,
     name="storm.slow_heartbeat",
