@@ -64,6 +64,9 @@ _READABLE_PREFIX = 40
 _SAFE = re.compile(r"[A-Za-z0-9_.:@/+=-]*")
 #: Hex digits of the digest :func:`safe_key_part` appends.
 _DIGEST_HEX = 32
+#: What :func:`safe_key_part` digests before a ``bytes`` part: a byte UTF-8 text never holds,
+#: so no text has the digest of any bytes.
+_BYTES_TAG = b"\xfe"
 #: What :func:`safe_key_part` returns for a part it digests.
 _DIGESTED = re.compile(rf"{_SAFE.pattern}~[0-9a-f]{{{_DIGEST_HEX}}}")
 
@@ -83,12 +86,16 @@ def safe_key_part(raw: str | bytes) -> str:
     """Return ``raw`` if it is short and plain, else a readable prefix plus a digest.
 
     Plain means printable ASCII from a conservative set (no braces, no spaces, no control
-    characters). The digest keeps distinct inputs distinct; the prefix keeps logs readable.
+    characters). The digest keeps distinct inputs distinct, and bytes apart from text: ``bytes``
+    are always digested, with a tag of their own, so ``b"a b"`` and ``"a b"`` never share a key
+    (as ``b"ab"`` and ``"ab"`` do not); the prefix keeps logs readable.
     """
-    if isinstance(raw, str) and len(raw) <= MAX_KEY_LENGTH and _SAFE.fullmatch(raw):
-        return raw
-    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-    text = data.decode("ascii", "replace") if isinstance(raw, bytes) else raw
+    if isinstance(raw, str):
+        if len(raw) <= MAX_KEY_LENGTH and _SAFE.fullmatch(raw):
+            return raw
+        data, text = raw.encode("utf-8", "surrogatepass"), raw
+    else:
+        data, text = _BYTES_TAG + raw, raw.decode("ascii", "replace")
     readable = "".join(c for c in text[:_READABLE_PREFIX] if _SAFE.fullmatch(c))
     return f"{readable}~{hashlib.sha256(data).hexdigest()[:_DIGEST_HEX]}"
 
