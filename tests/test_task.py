@@ -229,9 +229,8 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
         nothing.apply_async(link=step)
         return str(step.id)
 
-    every = [process, pending, stage, flaky, resend, boom, slow, walk, hop, page, handoff, relay]
-    every += [quiet]
-    every += [tags, nothing, hooked, sender]
+    every = [process, pending, stage, flaky, resend, boom, slow, walk, hop, page, handoff]
+    every += [relay, quiet, tags, nothing, hooked, sender]
     return {t.name.split(".", 1)[1]: t for t in every}
 
 
