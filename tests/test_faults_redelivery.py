@@ -1,8 +1,9 @@
 """Faults that make the broker deliver a message again, through real prefork workers.
 
 A pool process SIGKILLed mid-task (as the OOM killer would), a whole worker SIGKILLed, the Redis
-broker's visibility timeout handing out a message that is still running, and ETA/countdown copies:
-in every case the request runs to completion exactly once and no two runs overlap.
+broker's visibility timeout handing out a message that is still running, ETA/countdown copies, and
+a message that handed its request on with ``self.replace`` coming back: in every case the request
+runs to completion exactly once and no two runs overlap.
 
 Each test starts real ``celery worker -P prefork`` subprocesses on ``tests/apps/fault_app.py``
 against the session's redis-server. Bodies record a ``started`` entry with their pool pid (the
@@ -438,7 +439,7 @@ def test_eta_duplicate_with_another_task_id_runs_once(
     assert skipped.info["holder"] == runs[0]["task_id"]
 
 
-# -- 5. a replaced task's message delivered again --------------------------------------------------
+# -- 4. a replaced task's message delivered again --------------------------------------------------
 
 
 @pytest.mark.skipif(
