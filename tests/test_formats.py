@@ -37,7 +37,7 @@ from celery import Celery
 
 from celery_lock import LockedTask
 from celery_lock.keys import RequestKeys
-from celery_lock.lease import Acquired, Done, Held, Holder, Lease, new_token
+from celery_lock.lease import Acquired, Done, HandOn, Held, Holder, Lease, new_token
 from celery_lock.store import LockStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,9 +292,9 @@ GOLDEN: dict[str, tuple[str, str, str]] = {
         "celery-lock:{formats.by_name:1180591620717411303424}:done:formats.by_name",
     ),
     "name/bytes": (
-        "celery-lock:{formats.by_name:bin~8a8aa0a262e4b43ef1e875648f31031a}:lock",
-        "celery-lock:{formats.by_name:bin~8a8aa0a262e4b43ef1e875648f31031a}:fence",
-        "celery-lock:{formats.by_name:bin~8a8aa0a262e4b43ef1e875648f31031a}:done:formats.by_name",
+        "celery-lock:{formats.by_name:bin~ea0e89fbadcf620c3567eabff488e5d3}:lock",
+        "celery-lock:{formats.by_name:bin~ea0e89fbadcf620c3567eabff488e5d3}:fence",
+        "celery-lock:{formats.by_name:bin~ea0e89fbadcf620c3567eabff488e5d3}:done:formats.by_name",
     ),
     "name/date": (
         "celery-lock:{formats.by_name:2026-11-21}:lock",
@@ -442,9 +442,9 @@ GOLDEN: dict[str, tuple[str, str, str]] = {
         "celery-lock:{formats.by_template:acme:true}:done:formats.by_template",
     ),
     "template/bytes": (
-        "celery-lock:{formats.by_template:acme:06eb7d6a69ee19e5fbdf749018d3d2ab~4c0de1edddec7f3411979bd57b925fb6}:lock",
-        "celery-lock:{formats.by_template:acme:06eb7d6a69ee19e5fbdf749018d3d2ab~4c0de1edddec7f3411979bd57b925fb6}:fence",
-        "celery-lock:{formats.by_template:acme:06eb7d6a69ee19e5fbdf749018d3d2ab~4c0de1edddec7f3411979bd57b925fb6}:done:formats.by_template",
+        "celery-lock:{formats.by_template:acme:4b4d76d09517cf312f14d2fa28fe62d1~565ab468c0d749539a933acfe29c6b45}:lock",
+        "celery-lock:{formats.by_template:acme:4b4d76d09517cf312f14d2fa28fe62d1~565ab468c0d749539a933acfe29c6b45}:fence",
+        "celery-lock:{formats.by_template:acme:4b4d76d09517cf312f14d2fa28fe62d1~565ab468c0d749539a933acfe29c6b45}:done:formats.by_template",
     ),
     "template/date": (
         "celery-lock:{formats.by_template:acme:2026-11-21}:lock",
@@ -650,6 +650,33 @@ def test_a_lease_an_earlier_release_wrote_is_read_as_held_extended_and_released(
     assert store.extend_all([lease, stranger]) == [True, False]
     assert store.release(lease, success=True, done_ttl_ms=60_000)
     assert store.acquire(keys, new_token(), 30_000, other, 60_000) == Done(task_id="old-task-7")
+
+
+#: A hand-on marker (``self.replace``) as this release writes it: the replaced run's depth, its
+#: root id and its task id, each after a 0xFF byte.
+HAND_ON_MARKER = b"\xffhanded-on:0\xffgolden-root\xffgolden-task-2"
+
+
+@pytest.mark.usefixtures("close_lock_runtime")
+def test_a_hand_on_marker_is_written_and_read_in_the_golden_format(
+    store: LockStore, lock_redis: redis.Redis
+) -> None:
+    keys = RequestKeys(*GOLDEN["name/int"])
+    holder = Holder("golden-task-2", "formats.by_name", "host", 1)
+    token = new_token()
+    fence = store.acquire(keys, token, 30_000, holder, 60_000)
+    assert isinstance(fence, Acquired)
+    lease = Lease(store, keys, token, 30_000, fence.fence, holder)
+    lease.handed_on = HandOn(0, "golden-root")
+    assert store.release(lease, success=True, done_ttl_ms=60_000)
+    assert lock_redis.get(keys.done) == HAND_ON_MARKER
+    # Written as it is by another process: read as done, but by the replacement.
+    lock_redis.set(keys.done, HAND_ON_MARKER)
+    other = Holder("other-task", "formats.by_name", "host", 1)
+    handed_on = Done(task_id="golden-task-2", handed_on_at=0)
+    assert store.acquire(keys, new_token(), 30_000, other, 60_000) == handed_on
+    replacement = store.acquire(keys, new_token(), 30_000, holder, 60_000, 1, "golden-root")
+    assert isinstance(replacement, Acquired)
 
 
 def test_celery_lock_show_reads_a_lease_and_done_marker_an_earlier_release_wrote(
