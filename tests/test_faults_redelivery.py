@@ -455,15 +455,17 @@ def test_a_replaced_message_delivered_again_after_its_pool_process_died_is_acked
     worker = start_worker(**KILLED_POOL_ENV, FAULT_KILL_AFTER_REPLACE="1")
     # A second in the body first: a pool process killed before the pool has read that it took
     # the job leaves the job to no one (billiard marks lost only the jobs a process accepted),
-    # and the message is neither acked nor returned while the worker runs.
-    result = producer.send_task("fault.fetch", args=(5, 1.0))
-    wait_state(result, "SUCCESS", timeout=TIMEOUT)
+    # and the message is neither acked nor returned while the worker runs. And a replacement
+    # that runs past the pool's check (5 s): one that has stored its SUCCESS by the time the
+    # pool notices the death has Celery ack the message ("succeeded before the worker was
+    # lost": the two share a task id) instead of returning it.
+    result = producer.send_task("fault.fetch", args=(5, 1.0, KILLED_POOL_TTL + 3.0))
+    wait_state(result, "SUCCESS", timeout=2 * KILLED_POOL_TTL + TIMEOUT)
     assert result.result == 5
     assert record.client.get("fault:killed-after-replace") == b"1"
     acked = f"already handed on by this task {result.id}; acking the redelivery"
-    try:  # the pool notices the dead process at once, or at its next check (see KILLED_POOL_TTL)
-        wait_for("the replaced message to come back", lambda: acked in worker.log(),
-                 2 * KILLED_POOL_TTL + TIMEOUT)  # fmt: skip
+    try:  # returned once the pool noticed the death, while the replacement ran
+        wait_for("the replaced message to come back", lambda: acked in worker.log(), TIMEOUT)
     except BaseException:
         print(worker.log()[-6000:])  # shown with the failure
         raise

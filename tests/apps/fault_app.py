@@ -72,13 +72,14 @@ def work(self: Any, request_idx: int, seconds: float = 3.0) -> int:
 
 
 @app.task(base=LockedTask, bind=True, lock_key="request_idx", name="fault.fetch")
-def fetch(self: Any, request_idx: int, seconds: float = 0.0) -> Any:
-    """Sleeps ``seconds``, then hands its request on to ``fault.work`` with ``self.replace``;
-    with ``FAULT_KILL_AFTER_REPLACE`` set, its first run's pool process dies right after the
-    replacement was sent, before its own message is acked (see :func:`_die_once_sent`)."""
+def fetch(self: Any, request_idx: int, seconds: float = 0.0, work_seconds: float = 0.2) -> Any:
+    """Sleeps ``seconds``, then hands its request on to ``fault.work`` (which sleeps
+    ``work_seconds``) with ``self.replace``; with ``FAULT_KILL_AFTER_REPLACE`` set, its first
+    run's pool process dies right after the replacement was sent, before its own message is
+    acked (see :func:`_die_once_sent`)."""
     _append(FETCHED_KEY, task_id=self.request.id, request_idx=request_idx)
     time.sleep(seconds)
-    return self.replace(work.si(request_idx, 0.2))
+    return self.replace(work.si(request_idx, work_seconds))
 
 
 @after_task_publish.connect
