@@ -18,9 +18,9 @@ canonical JSON (a ``dict``, ``list``, ``tuple`` or ``set``: equal values give on
 their order), what kombu's ``__json__`` hook returns (as the worker receives it), or its
 ``str()``. A key made of ``None`` alone is refused (every call missing the value would become
 one request), and so is a value whose only text is its memory address.
-Values are not escaped: one that holds a template's separator reads as a split the template did
-not mean (``{a}:{b}`` keys ``("x:y", "z")`` and ``("x", "y:z")`` alike), a limit documented
-rather than fixed, as escaping would change the keys of requests in flight across an upgrade.
+A template joins its values with its own text; a value holding the first character of the
+separator after it could read as another split (``{a}:{b}`` with ``("x:y", "z")`` and
+``("x", "y:z")``), so such a call's key is a digest of the template's parts instead.
 
 The Redis keys of one request share a hash tag, so every script runs on one Redis Cluster slot::
 
@@ -29,7 +29,8 @@ The Redis keys of one request share a hash tag, so every script runs on one Redi
     <prefix>:{<scope>:<request key>}:done:<task name>
 
 A request key that is long, binary or contains braces is replaced by a readable prefix and a
-digest, so a key is always bounded and never breaks the hash tag.
+digest, so a key is always bounded and never breaks the hash tag; so is a scope holding ``:``,
+which would read as another split of scope and request key.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from .exceptions import LockKeyError
 
@@ -55,6 +56,7 @@ __all__ = [
     "RequestKeys",
     "digest_arguments",
     "safe_key_part",
+    "scope_key_part",
     "stored_key_part",
 ]
 
@@ -67,6 +69,9 @@ _DIGEST_HEX = 32
 #: What :func:`safe_key_part` digests before a ``bytes`` part: a byte UTF-8 text never holds,
 #: so no text has the digest of any bytes.
 _BYTES_TAG = b"\xfe"
+#: What a template key digests before its parts when a value holds the separator after it:
+#: another byte UTF-8 text never holds, so no joined text and no bytes share its digests.
+_SPLIT_TAG = b"\xfd"
 #: What :func:`safe_key_part` returns for a part it digests.
 _DIGESTED = re.compile(rf"{_SAFE.pattern}~[0-9a-f]{{{_DIGEST_HEX}}}")
 
@@ -93,9 +98,24 @@ def safe_key_part(raw: str | bytes) -> str:
     if isinstance(raw, str):
         if len(raw) <= MAX_KEY_LENGTH and _SAFE.fullmatch(raw):
             return raw
-        data, text = raw.encode("utf-8", "surrogatepass"), raw
-    else:
-        data, text = _BYTES_TAG + raw, raw.decode("ascii", "replace")
+        return _digested(raw.encode("utf-8", "surrogatepass"), raw)
+    return _digested(_BYTES_TAG + raw, raw.decode("ascii", "replace"))
+
+
+def scope_key_part(scope: str) -> str:
+    """A ``lock_scope`` (or a task name standing in for one) as the keys hold it: as
+    :func:`safe_key_part` makes it, except that a scope holding ``:`` is always digested, with
+    no ``:`` in its readable prefix. The scope is followed by ``:`` and the request key in the
+    hash tag, so a ``:`` in it would let scope ``a:b`` with key ``c`` and scope ``a`` with key
+    ``b:c`` read as one request; a scope as stored never holds one.
+    """
+    if ":" not in scope:
+        return safe_key_part(scope)
+    return _digested(scope.encode("utf-8", "surrogatepass"), scope.replace(":", ""))
+
+
+def _digested(data: bytes, text: str) -> str:
+    """``data``'s digest after a readable prefix of ``text``: the safe characters of its start."""
     readable = "".join(c for c in text[:_READABLE_PREFIX] if _SAFE.fullmatch(c))
     return f"{readable}~{hashlib.sha256(data).hexdigest()[:_DIGEST_HEX]}"
 
@@ -395,6 +415,27 @@ def _describe(function: Callable[..., Any]) -> str:
     return getattr(function, "__qualname__", None) or repr(function)
 
 
+class _Cut(NamedTuple):
+    """A template of two fields or more, cut at its fields."""
+
+    #: The text before the first field.
+    lead: str
+    #: Each field alone, as the template writes it (``"{order.id!r:>8}"``).
+    fields: tuple[str, ...]
+    #: The text after each field: a separator, then after the last field the template's end.
+    afters: tuple[str, ...]
+    #: The first character of each separator, which a value before it must not hold.
+    marks: tuple[str, ...]
+    #: How often the marks occur in the template's own text.
+    marks_in_text: int
+
+    def marks_in(self, text: str) -> int:
+        """How often the marks occur in ``text``."""
+        if len(self.marks) == 1:  # one count, not a sum over a map: this runs for every task
+            return text.count(self.marks[0])
+        return sum(map(text.count, self.marks))
+
+
 @dataclass(frozen=True)
 class KeyDeriver:
     """Derives the request key of one task from the arguments of a call."""
@@ -408,6 +449,9 @@ class KeyDeriver:
     _plain_names: tuple[str, ...] | None = field(init=False, repr=False, compare=False)
     #: Whether the template reaches into an argument (``{order.id}``, ``{inv[number]}``).
     _sub_fields: bool = field(init=False, repr=False, compare=False)
+    #: A template of two fields or more, cut at its fields (see :meth:`_split_key`); ``None`` for
+    #: other specs.
+    _cut_template: _Cut | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         parameters = self.signature.parameters.values()
@@ -417,6 +461,7 @@ class KeyDeriver:
         fields = self._parse_fields()
         object.__setattr__(self, "_fields", tuple(name for name, _ in fields))
         object.__setattr__(self, "_sub_fields", any(whole != name for name, whole in fields))
+        object.__setattr__(self, "_cut_template", self._cut() if len(fields) > 1 else None)
 
     @classmethod
     def create(cls, task_name: str, signature: inspect.Signature, spec: LockKeySpec) -> KeyDeriver:
@@ -532,6 +577,49 @@ class KeyDeriver:
             names.append((root, template_field))
         return names
 
+    def _cut(self) -> _Cut:
+        """The template (already checked by :meth:`_parse_fields`) cut at its fields."""
+        assert isinstance(self.spec, str)
+        lead, fields, afters = "", list[str](), list[str]()
+        for literal, template_field, format_spec, conversion in string.Formatter().parse(self.spec):
+            # A literal text comes back unescaped ("{{" as "{"), maybe in several runs: it is
+            # joined, not formatted.
+            if afters:
+                afters[-1] += literal
+            else:
+                lead += literal
+            if template_field is not None:
+                alone = template_field + (f"!{conversion}" if conversion else "")
+                fields.append("{" + alone + (f":{format_spec}" if format_spec else "") + "}")
+                afters.append("")
+        # Every literal between two fields is non-empty: "{a}{b}" is refused.
+        marks = tuple(sorted({after[0] for after in afters[:-1]}))
+        literal_text = lead + "".join(afters)
+        marks_in_text = sum(map(literal_text.count, marks))
+        return _Cut(lead, tuple(fields), tuple(afters), marks, marks_in_text)
+
+    @staticmethod
+    def _split_key(cut: _Cut, joined: str, rendered: Mapping[str, Any]) -> str:
+        """The request key of a template of two fields or more whose text ``joined`` holds a
+        separator's first character more often than the template's own text does.
+
+        The fields are joined by the template's own text, which a value may hold too:
+        ``"{tenant}:{order_id}"`` would join ``("acme:eu", 1)`` and ``("acme", "eu:1")`` alike,
+        and the second request would be skipped as a duplicate of the first. Each field's text
+        is read up to the first character of the separator after it, so only a value holding
+        that character is ambiguous; then the key is a digest of the template's parts, a
+        domain of its own (:data:`_SPLIT_TAG`), with the joined text as its readable prefix.
+        Values without it (a datetime's ``:`` in the last field, say) join as before.
+        """
+        texts = [alone.format_map(rendered) for alone in cut.fields]
+        if not any(after[0] in text for text, after in zip(texts, cut.afters[:-1], strict=False)):
+            return safe_key_part(joined)
+        parts = [cut.lead]
+        for text, after in zip(texts, cut.afters, strict=True):
+            parts += (text, after)
+        data = json.dumps(parts, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        return _digested(_SPLIT_TAG + data, joined)
+
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Bind a call's arguments to the task's parameters, defaults applied."""
         names = self._plain_names
@@ -614,6 +702,12 @@ class KeyDeriver:
         try:
             rendered = {name: _KeyField(arguments[name], leaves) for name in self._fields}
             text = spec.format_map(rendered)
+            cut = self._cut_template
+            if cut is not None and cut.marks_in(text) != cut.marks_in_text:
+                # A value holds a separator's first character: its split may be another's.
+                key = self._split_key(cut, text, rendered)
+            else:
+                key = safe_key_part(text)
         except (
             AttributeError,
             IndexError,
@@ -632,7 +726,7 @@ class KeyDeriver:
                 f"the call is None",
                 task_name=self.task_name,
             )
-        return safe_key_part(text)
+        return key
 
     def _call_key_function(
         self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -750,7 +844,7 @@ class RequestKeys:
 def _layout(prefix: str, scope: str, task_name: str) -> tuple[str, str]:
     """What the keys of every request of one task share: ``"<prefix>:{<scope>:"`` and
     ``":done:<task name>"`` (made safe once, not per task)."""
-    return f"{prefix}:{{{safe_key_part(scope)}:", _done_suffix(task_name)
+    return f"{prefix}:{{{scope_key_part(scope)}:", _done_suffix(task_name)
 
 
 def _done_suffix(task_name: str) -> str:

@@ -90,6 +90,13 @@ def refund(order_id: Any) -> Any:
     return order_id
 
 
+# A scope holding ":", which the hash tag would read as another split of scope and request key:
+# digested, without the ":".
+@app.task(name="formats.invoice", lock_key="order_id", lock_scope="billing:eu", **TASK_OPTIONS)
+def invoice(order_id: Any) -> Any:
+    return order_id
+
+
 # A task name the keys cannot hold as it is (a space, braces, non-ASCII), under a prefix of
 # its own: the scope and the done-marker's task name are digested, the prefix kept.
 @app.task(
@@ -169,6 +176,9 @@ CASES: dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {
     "template/nested": (by_template, ("acme", NESTED), {}),
     "template/unsafe": (by_template, ("acme corp", "{42}"), {}),
     "template/long": (by_template, ("acme", "y" * 200), {}),
+    # The separator in a value before it: digested, apart from the call it would read as.
+    "template/separator-in-value": (by_template, ("acme:eu", 1), {}),
+    "template/separator-in-last": (by_template, ("acme", "eu:1"), {}),
     "template/item": (by_item, ({"id": 42, "tenant": "acme"},), {}),
     "callable/positional": (by_callable, (42,), {}),
     "callable/keywords": (by_callable, (), {"order_id": 42, "tenant": "other"}),
@@ -190,6 +200,7 @@ CASES: dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {
     "default/tag-like-dict": (by_digest, ({"__bytes__": "6162"},), {}),
     "scope/charge": (charge, (42,), {}),
     "scope/refund": (refund, (42,), {}),
+    "scope/colon": (invoice, (42,), {}),
     "odd-name/name-key": (odd_name, (42,), {}),
     "odd-prefix/default": (default_under_prefix, (42,), {}),
 }
@@ -431,6 +442,11 @@ GOLDEN: dict[str, tuple[str, str, str]] = {
         "celery-lock:{payments:42}:fence",
         "celery-lock:{payments:42}:done:formats.charge",
     ),
+    "scope/colon": (
+        "celery-lock:{billingeu~ab0778d965e8f3b0b21bc5146a043495:42}:lock",
+        "celery-lock:{billingeu~ab0778d965e8f3b0b21bc5146a043495:42}:fence",
+        "celery-lock:{billingeu~ab0778d965e8f3b0b21bc5146a043495:42}:done:formats.invoice",
+    ),
     "scope/refund": (
         "celery-lock:{payments:42}:lock",
         "celery-lock:{payments:42}:fence",
@@ -510,6 +526,16 @@ GOLDEN: dict[str, tuple[str, str, str]] = {
         "celery-lock:{formats.by_template:acme:null}:lock",
         "celery-lock:{formats.by_template:acme:null}:fence",
         "celery-lock:{formats.by_template:acme:null}:done:formats.by_template",
+    ),
+    "template/separator-in-last": (
+        "celery-lock:{formats.by_template:acme:eu:1}:lock",
+        "celery-lock:{formats.by_template:acme:eu:1}:fence",
+        "celery-lock:{formats.by_template:acme:eu:1}:done:formats.by_template",
+    ),
+    "template/separator-in-value": (
+        "celery-lock:{formats.by_template:acme:eu:1~66cf142293dfbbddb9232ce813181b05}:lock",
+        "celery-lock:{formats.by_template:acme:eu:1~66cf142293dfbbddb9232ce813181b05}:fence",
+        "celery-lock:{formats.by_template:acme:eu:1~66cf142293dfbbddb9232ce813181b05}:done:formats.by_template",
     ),
     "template/set": (
         "celery-lock:{formats.by_template:acme:__set__:xy~4db916c985cda802b00053791912f722}:lock",

@@ -38,6 +38,7 @@ from celery_lock.keys import (
     RequestKeys,
     digest_arguments,
     safe_key_part,
+    scope_key_part,
     stored_key_part,
 )
 
@@ -447,6 +448,101 @@ def test_a_dict_written_like_a_tagged_value_is_another_request(value: Any) -> No
     assert digest_arguments("t", {"a": held}) != digest_arguments("t", {"a": written})
 
 
+# Templates of two fields or more: the text before the first field, between fields, after the last.
+SEPARATED_TEMPLATES = {
+    "{tenant}:{request_idx}": ("", [":"], ""),
+    "{tenant}--{request_idx}": ("", ["--"], ""),
+    "t={tenant}/{request_idx}!": ("t=", ["/"], "!"),
+    "{tenant}:{request_idx}:{note}": ("", [":", ":"], ""),
+    "{{{tenant}}}{{{request_idx}}}": ("{", ["}{"], "}"),
+}
+
+
+def splits(text: str, separators: list[str]) -> list[tuple[str, ...]]:
+    """Every tuple of values that ``separators`` join into ``text``."""
+    if not separators:
+        return [(text,)]
+    first, rest = separators[0], separators[1:]
+    return [
+        (text[:at], *tail)
+        for at in range(len(text) + 1)
+        if text.startswith(first, at)
+        for tail in splits(text[at + len(first) :], rest)
+    ]
+
+
+@settings(max_examples=300)
+@given(spec=st.sampled_from(sorted(SEPARATED_TEMPLATES)), inner=st.text(":-/}{ab", max_size=10))
+@example(spec="{tenant}:{request_idx}", inner="acme:eu:1")
+def test_values_joined_into_one_text_give_distinct_keys(spec: str, inner: str) -> None:
+    # Every way of reading the text as the template's values is a request of its own: joined
+    # as they are, ("acme:eu", 1) and ("acme", "eu:1") read alike, and the second request
+    # would be skipped as a duplicate of the first.
+    lead, separators, trail = SEPARATED_TEMPLATES[spec]
+    calls = splits(inner, separators)
+    derive = KeyDeriver.create("t", inspect.signature(SHARED["by_template"]), spec)
+    keys = {derive.request_key(call, {}) for call in calls}
+    assert len(keys) == len(calls)
+    # ... and the call whose values hold no separator before the last is joined as it was.
+    unambiguous = [
+        c for c in calls if not any(sep[0] in v for v, sep in zip(c[:-1], separators, strict=True))
+    ]
+    for call in unambiguous:
+        assert derive.request_key(call, {}) == safe_key_part(lead + inner + trail)
+
+
+def test_a_value_holding_the_separator_after_it_is_digested_apart() -> None:
+    derive = KeyDeriver.create(
+        "t", inspect.signature(SHARED["by_template"]), "{tenant}:{request_idx}"
+    )
+    split_early, split_late = (
+        derive.request_key(("acme:eu", 1), {}),
+        derive.request_key(("acme", "eu:1"), {}),
+    )
+    assert split_early != split_late
+    # Only the ambiguous call is digested, with the joined text as its readable prefix; a value
+    # in the last field joins as before, as do values without the separator.
+    assert re.fullmatch(r"acme:eu:1~[0-9a-f]{32}", split_early)
+    assert split_late == "acme:eu:1"
+    assert derive.request_key(("acme", "2024-05-06T07:08:09+00:00"), {}) == (
+        "acme:2024-05-06T07:08:09+00:00"
+    )
+    assert derive.request_key(("acme", 42), {}) == "acme:42"
+    # Only the first character of a separator is looked for: "-" alone is not "--", but it
+    # could end a value that the separator then follows ("a-" + "--" + "b", "a" + "--" + "-b").
+    dashed = KeyDeriver.create(
+        "t", inspect.signature(SHARED["by_template"]), "{tenant}--{request_idx}"
+    )
+    assert dashed.request_key(("a-", "b"), {}) != dashed.request_key(("a", "-b"), {})
+    assert dashed.request_key(("a", "-b"), {}) == "a---b"
+
+
+@settings(max_examples=300)
+@given(
+    splits=st.lists(
+        st.tuples(
+            st.text(alphabet=":ab~", min_size=1, max_size=5), st.text(alphabet=":ab", max_size=5)
+        ),
+        min_size=2,
+        unique=True,
+    )
+)
+def test_distinct_scope_and_key_splits_give_distinct_keys(splits: list[tuple[str, str]]) -> None:
+    # The hash tag joins the scope and the request key with ":": scope "a:b" with key "c" and
+    # scope "a" with key "b:c" are two requests.
+    locks = {RequestKeys.build("p", scope, safe_key_part(key), "t").lock for scope, key in splits}
+    assert len(locks) == len(splits)
+
+
+def test_a_scope_holding_a_colon_is_digested_without_it() -> None:
+    assert scope_key_part("request") == "request"
+    assert re.fullmatch(r"billingeu~[0-9a-f]{32}", scope_key_part("billing:eu"))
+    assert scope_key_part("billing:eu") != scope_key_part("billing::eu")
+    assert (
+        RequestKeys.build("p", "a:b", "c", "t").lock != RequestKeys.build("p", "a", "b:c", "t").lock
+    )
+
+
 # -- (c) one hash slot -----------------------------------------------------------------------------
 
 
@@ -465,7 +561,7 @@ def test_keys_of_one_request_share_one_hash_slot(
     request_key = derive.request_key((raw,), {})
     keys = RequestKeys.build(prefix, scope, request_key, task_name)
 
-    tag = f"{safe_key_part(scope)}:{request_key}"
+    tag = f"{scope_key_part(scope)}:{request_key}"
     assert hash_tag(keys.lock) == hash_tag(keys.fence) == hash_tag(keys.done) == tag
     assert slot(keys.lock) == slot(keys.fence) == slot(keys.done) == slot(tag)
 

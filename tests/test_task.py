@@ -738,6 +738,30 @@ def test_eager_call_is_locked(celery_app: Celery, tasks: dict[str, Any], store: 
     assert tasks["process"].apply((7,)).state == "IGNORED"  # done
 
 
+def test_requests_whose_key_parts_could_be_split_alike_both_run(
+    celery_app: Celery, store: LockStore
+) -> None:
+    # ("acme:eu", 1) and ("acme", "eu:1") join into one text, as do scope "a:b" with key "c"
+    # and scope "a" with key "b:c": each is a request of its own, never skipped as done.
+    @celery_app.task(base=LockedTask, lock_key="{tenant}:{request_idx}", name="t.tenant_order")
+    def tenant_order(tenant: str, request_idx: Any) -> str:
+        return f"{tenant}/{request_idx}"
+
+    @celery_app.task(base=LockedTask, lock_key="request_idx", lock_scope="a:b", name="t.ab")
+    def scoped_ab(request_idx: str) -> str:
+        return f"a:b/{request_idx}"
+
+    @celery_app.task(base=LockedTask, lock_key="request_idx", lock_scope="a", name="t.a")
+    def scoped_a(request_idx: str) -> str:
+        return f"a/{request_idx}"
+
+    assert tenant_order.apply(("acme:eu", 1)).get() == "acme:eu/1"
+    assert tenant_order.apply(("acme", "eu:1")).get() == "acme/eu:1"
+    assert tenant_order.apply(("acme", "eu:1")).state == "IGNORED"  # that one is done
+    assert scoped_ab.apply(("c",)).get() == "a:b/c"
+    assert scoped_a.apply(("b:c",)).get() == "a/b:c"
+
+
 def test_direct_call_runs_locked_as_the_current_task(tasks: dict[str, Any], calls: Calls) -> None:
     assert tasks["process"](7) == "processed 7"
     [call] = calls.seen
