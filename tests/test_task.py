@@ -176,6 +176,14 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
             return self.replace(chain(self.si(request_idx, pages - 1), nothing.si()))
         return f"last page of {request_idx}"
 
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.fan")
+    def fan(self: Any, request_idx: int, width: int) -> str:
+        # Hands its request on to a group of copies of itself (Celery makes it a chord).
+        seen(self, width=width)
+        if width:
+            return self.replace(group(self.si(request_idx, 0) for _ in range(width)))
+        return f"member of {request_idx}"
+
     @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.handoff")
     def handoff(self: Any, request_idx: int, send: bool = True) -> Any:
         # Hands its request on to the next stage, a task of another name.
@@ -230,7 +238,7 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
         return str(step.id)
 
     every = [process, pending, stage, flaky, resend, boom, slow, walk, hop, page, handoff]
-    every += [relay, quiet, tags, nothing, hooked, sender]
+    every += [relay, quiet, tags, nothing, hooked, sender, fan]
     return {t.name.split(".", 1)[1]: t for t in every}
 
 
@@ -527,6 +535,32 @@ def test_each_step_of_a_chain_that_replaced_a_run_gets_through_its_hand_on_marke
     assert consecutive([c["fence"] for c in calls.seen if c["task"] == "t.page"])
     # The last page completed the request: its done-marker, final for every copy.
     assert lock_redis.get(tasks["page"].request_keys((7, 0), {}).done) == pages[2][1].encode()
+
+
+@replacements_keep_their_depth
+def test_a_request_handed_on_to_a_group_of_its_own_task_runs_in_one_member(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    # Celery sends a group replacement's members one replacement deeper in the same canvas,
+    # as it does a chain's steps: one member gets through the hand-on marker, and the others,
+    # copies of the same request, are skipped as they would be in any group. (Read as depth 0,
+    # every member would take the marker for done, and no member would run the request.)
+    ended: list[str] = []
+
+    def on_postrun(task: Any, **_: Any) -> None:
+        ended.append(task.name)
+
+    task_postrun.connect(on_postrun, weak=False)
+    try:
+        tasks["fan"].delay(7, 2)
+        # The replaced run and both members, the one that ran and the one skipped.
+        wait_for("both members to end", lambda: ended.count("t.fan") == 3, TIMEOUT)
+    finally:
+        task_postrun.disconnect(on_postrun)
+    assert [c["width"] for c in calls.seen] == [2, 0]
+    member = calls.seen[1]["id"]
+    assert member != calls.seen[0]["id"]
+    assert lock_redis.get(tasks["fan"].request_keys((7, 0), {}).done) == member.encode()
 
 
 def test_a_replacement_s_retry_keeps_its_depth_and_gets_through_the_hand_on_marker(
