@@ -7,6 +7,7 @@ store URL and key prefix from the app's settings (``--url`` and ``--prefix`` ove
     $ celery -A shop lock show shop.process:42    # one request: lease, fence, done-markers
     $ celery -A shop lock release shop.process:42 --force
     $ celery -A shop lock forget shop.process:42  # let a done request run again
+    $ celery -A shop lock key shop.process -a '[42]'   # the lock key of a call
     $ celery -A shop lock --json ls
 
 A request is named either by one of its Redis keys (``celery-lock:{shop.process:42}:lock``, as
@@ -33,11 +34,12 @@ from typing import Any
 import click
 import redis
 from celery import Celery
+from celery.bin.base import JSON_ARRAY, JSON_OBJECT
 
 from .checks import check_single_endpoint
 from .config import LockSettings, check_value, conf_value
-from .exceptions import ConfigurationError
-from .keys import stored_key_part
+from .exceptions import ConfigurationError, LockKeyError
+from .keys import RequestKeys, stored_key_part
 from .lease import decode_done, decode_lock
 from .runtime import lock_store_url
 from .store import client_for_url, reach
@@ -568,6 +570,51 @@ def _how_done(marker: dict[str, Any]) -> str:
     if "handed_on_at" in marker:
         return f"handed on by {marker['task_id']} at depth {marker['handed_on_at']}"
     return f"by {marker['task_id']}"
+
+
+@lock.command(name="key")
+@click.argument("task_name", metavar="TASK")
+@click.option(
+    "-a", "--args", "call_args", type=JSON_ARRAY, default=None,
+    help="The call's positional arguments, as a JSON array.",
+)  # fmt: skip
+@click.option(
+    "-k", "--kwargs", "call_kwargs", type=JSON_OBJECT, default=None,
+    help="The call's keyword arguments, as a JSON object.",
+)  # fmt: skip
+@click.pass_context
+def key_command(
+    ctx: click.Context,
+    task_name: str,
+    call_args: list[Any] | None,
+    call_kwargs: dict[str, Any] | None,
+) -> None:
+    """Print the lock key of the request a call of TASK works on, as its worker derives it.
+
+    The arguments are read as JSON, as the worker receives them (-a and -k as celery call takes
+    them). Pass the key to show, forget or release: it names the request whatever its key holds
+    (a digest, a scope with a ':'). The lock store is not asked."""
+    from .task import LockedTask  # noqa: PLC0415 - the library's tasks, not needed by the others
+
+    app: Celery = ctx.find_root().obj.app
+    app.loader.import_default_modules()  # the tasks of `include` and autodiscovery too
+    task = app.tasks.get(task_name)
+    if task is None:
+        raise click.UsageError(
+            f"no task named {task_name!r} in this app: pass -A with the app that registers it"
+        )
+    if not isinstance(task, LockedTask):
+        raise click.UsageError(f"{task_name} is not a LockedTask: its calls take no lock")
+    try:
+        keys = task.request_keys(tuple(call_args or ()), call_kwargs or {})
+    except (LockKeyError, ConfigurationError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    options = ctx.find_object(_Options)
+    if options is not None and options.prefix is not None:
+        prefix = _setting("key_prefix", options.prefix, "--prefix", None)
+        task_prefix = task.lock_settings().key_prefix
+        keys = RequestKeys.of_lock(prefix + keys.lock[len(task_prefix) :], task.name)
+    _emit(ctx, asdict(keys), keys.lock)
 
 
 @lock.command(name="release")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import pty
@@ -21,7 +23,7 @@ from conftest import granted
 
 from celery_lock.cli import LockAdmin
 from celery_lock.config import LockSettings
-from celery_lock.keys import RequestKeys, safe_key_part
+from celery_lock.keys import KeyDeriver, RequestKeys, safe_key_part
 from celery_lock.lease import Acquired, HandOn, Holder, Lease, encode_lock, new_token
 from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer, free_port
@@ -876,6 +878,70 @@ def test_a_short_scan_prints_no_progress_on_the_terminal(
     status, out, terminal = on_a_terminal(worker_env, "ls")  # the default: 1,000,000 keys
     assert (status, terminal) == (0, "")
     assert out.splitlines()[-1] == "3 lease(s) held"
+
+
+def test_key_prints_the_lock_key_of_a_call_which_show_then_finds(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    take(store, 7, "task-7")
+    printed = celery_lock_cli(worker_env, "key", "storm.process", "-a", "[7]")
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == "celery-lock:{storm.process:7}:lock\n"
+    by_keyword = celery_lock_cli(
+        worker_env, "key", "storm.process", "--kwargs", '{"request_idx": 7}'
+    )
+    assert by_keyword.stdout == printed.stdout
+    shown = celery_lock_cli(worker_env, "show", printed.stdout.strip())
+    assert shown.returncode == 0, shown.stderr
+    assert "holder    task-7 (storm.process)" in shown.stdout
+
+
+def test_key_finds_a_key_that_cannot_be_typed_as_scope_and_request_key(
+    worker_env: dict[str, str],
+) -> None:
+    # A template value holding the separator and a scope holding ':' are digested in the keys.
+    printed = celery_lock_cli(
+        worker_env, "--json", "key", "storm.tenant_order", "-a", '["acme:eu", 1]'
+    )
+    assert printed.returncode == 0, printed.stderr
+    spec = "{tenant}:{request_idx}"
+    derive = KeyDeriver.create(
+        "storm.tenant_order", inspect.signature(lambda tenant, request_idx: 0), spec
+    )
+    expected = RequestKeys.build(
+        "celery-lock", "billing:eu", derive.request_key(("acme:eu", 1), {}), "storm.tenant_order"
+    )
+    assert json.loads(printed.stdout) == dataclasses.asdict(expected)
+    assert re.fullmatch(r"celery-lock:\{billingeu~\w{32}:acme:eu:1~\w{32}\}:lock", expected.lock)
+    # --prefix reads the keys under another prefix, as the other commands do.
+    other = celery_lock_cli(worker_env, "--prefix", "billing", "key", "storm.process", "-a", "[7]")
+    assert other.stdout == "billing:{storm.process:7}:lock\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["storm.nothing", "-a", "[7]"], "no task named 'storm.nothing' in this app"),
+        (["celery.backend_cleanup"], "celery.backend_cleanup is not a LockedTask"),
+        (["storm.process"], "missing a required argument: 'request_idx'"),
+        (["storm.process", "-a", "[null]"], "cannot be made of None alone"),
+        (["storm.process", "-a", "{7}"], "-a"),
+    ],
+)
+def test_key_of_no_locked_task_or_of_a_call_without_a_key_is_a_usage_error(
+    worker_env: dict[str, str], args: list[str], error: str
+) -> None:
+    refused = celery_lock_cli(worker_env, "key", *args)
+    assert refused.returncode == 2, (refused.stdout, refused.stderr)
+    assert error in " ".join(refused.stderr.split())
+    assert "Traceback" not in refused.stderr
+
+
+def test_key_does_not_ask_the_lock_store(worker_env: dict[str, str]) -> None:
+    unreachable = {**worker_env, "STORM_LOCK_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    printed = celery_lock_cli(unreachable, "key", "storm.process", "-a", "[7]")
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == "celery-lock:{storm.process:7}:lock\n"
 
 
 def test_the_help_names_the_options_and_the_key_as_docs_cli_md_does(

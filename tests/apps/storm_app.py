@@ -112,3 +112,12 @@ def handoff(self: Any, request_idx: int) -> Any:
 def slow_heartbeat(request_idx: int) -> int:
     """Beats less than twice per TTL: the worker warns about it at start."""
     return request_idx
+
+
+@app.task(
+    base=LockedTask, lock_key="{tenant}:{request_idx}", lock_scope="billing:eu",
+    name="storm.tenant_order",
+)  # fmt: skip
+def tenant_order(tenant: str, request_idx: int) -> int:
+    """Keyed by a template, in a scope holding ':': its keys digest, which `lock key` finds."""
+    return request_idx
