@@ -937,6 +937,19 @@ def test_key_of_no_locked_task_or_of_a_call_without_a_key_is_a_usage_error(
     assert "Traceback" not in refused.stderr
 
 
+def test_key_reports_an_invalid_setting_of_the_task_as_a_usage_error(
+    worker_env: dict[str, str],
+) -> None:
+    # Unlike the other commands, key reads the task's settings, as its worker would.
+    conf = json.dumps({"celery_lock_ttl": 1.0, "celery_lock_heartbeat_interval": 5.0})
+    refused = celery_lock_cli(
+        {**worker_env, "STORM_CONF": conf}, "key", "storm.process", "-a", "[7]"
+    )
+    assert refused.returncode == 2, (refused.stdout, refused.stderr)
+    assert "celery_lock_heartbeat_interval" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
 def test_key_does_not_ask_the_lock_store(worker_env: dict[str, str]) -> None:
     unreachable = {**worker_env, "STORM_LOCK_URL": f"redis://127.0.0.1:{free_port()}/0"}
     printed = celery_lock_cli(unreachable, "key", "storm.process", "-a", "[7]")
