@@ -416,7 +416,8 @@ def _describe(function: Callable[..., Any]) -> str:
 
 
 class _Cut(NamedTuple):
-    """A template of two fields or more, cut at its fields."""
+    """A template of two fields or more, cut at its fields: what tells a call whose values
+    could be read as another split of the joined text (:meth:`key`)."""
 
     #: The text before the first field.
     lead: str
@@ -429,11 +430,53 @@ class _Cut(NamedTuple):
     #: How often the marks occur in the template's own text.
     marks_in_text: int
 
+    @classmethod
+    def of(cls, template: str) -> _Cut:
+        """``template`` (already checked by :meth:`KeyDeriver._parse_fields`) cut at its fields."""
+        lead, fields, afters = "", list[str](), list[str]()
+        for literal, template_field, format_spec, conversion in string.Formatter().parse(template):
+            # A literal text comes back unescaped ("{{" as "{"), maybe in several runs: it is
+            # joined, not formatted.
+            if afters:
+                afters[-1] += literal
+            else:
+                lead += literal
+            if template_field is not None:
+                alone = template_field + (f"!{conversion}" if conversion else "")
+                fields.append("{" + alone + (f":{format_spec}" if format_spec else "") + "}")
+                afters.append("")
+        # Every literal between two fields is non-empty: "{a}{b}" is refused.
+        marks = tuple(sorted({after[0] for after in afters[:-1]}))
+        literal_text = lead + "".join(afters)
+        marks_in_text = sum(map(literal_text.count, marks))
+        return cls(lead, tuple(fields), tuple(afters), marks, marks_in_text)
+
     def marks_in(self, text: str) -> int:
         """How often the marks occur in ``text``."""
         if len(self.marks) == 1:  # one count, not a sum over a map: this runs for every task
             return text.count(self.marks[0])
         return sum(map(text.count, self.marks))
+
+    def key(self, joined: str, rendered: Mapping[str, Any]) -> str:
+        """The request key of a call whose text ``joined`` holds a mark more often than the
+        template's own text does (else it is ``safe_key_part(joined)``, without this call).
+
+        The fields are joined by the template's own text, which a value may hold too:
+        ``"{tenant}:{order_id}"`` would join ``("acme:eu", 1)`` and ``("acme", "eu:1")`` alike,
+        and the second request would be skipped as a duplicate of the first. Each field's text
+        is read up to the first character of the separator after it, so only a value holding
+        that character is ambiguous; then the key is a digest of the template's parts, a
+        domain of its own (:data:`_SPLIT_TAG`), with the joined text as its readable prefix.
+        Values without it (a datetime's ``:`` in the last field, say) join as before.
+        """
+        texts = [alone.format_map(rendered) for alone in self.fields]
+        if not any(after[0] in text for text, after in zip(texts, self.afters[:-1], strict=False)):
+            return safe_key_part(joined)
+        parts = [self.lead]
+        for text, after in zip(texts, self.afters, strict=True):
+            parts += (text, after)
+        data = json.dumps(parts, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        return _digested(_SPLIT_TAG + data, joined)
 
 
 @dataclass(frozen=True)
@@ -449,7 +492,7 @@ class KeyDeriver:
     _plain_names: tuple[str, ...] | None = field(init=False, repr=False, compare=False)
     #: Whether the template reaches into an argument (``{order.id}``, ``{inv[number]}``).
     _sub_fields: bool = field(init=False, repr=False, compare=False)
-    #: A template of two fields or more, cut at its fields (see :meth:`_split_key`); ``None`` for
+    #: A template of two fields or more, cut at its fields (see :meth:`_Cut.key`); ``None`` for
     #: other specs.
     _cut_template: _Cut | None = field(init=False, repr=False, compare=False)
 
@@ -461,7 +504,8 @@ class KeyDeriver:
         fields = self._parse_fields()
         object.__setattr__(self, "_fields", tuple(name for name, _ in fields))
         object.__setattr__(self, "_sub_fields", any(whole != name for name, whole in fields))
-        object.__setattr__(self, "_cut_template", self._cut() if len(fields) > 1 else None)
+        cut = _Cut.of(self.spec) if isinstance(self.spec, str) and len(fields) > 1 else None
+        object.__setattr__(self, "_cut_template", cut)
 
     @classmethod
     def create(cls, task_name: str, signature: inspect.Signature, spec: LockKeySpec) -> KeyDeriver:
@@ -577,49 +621,6 @@ class KeyDeriver:
             names.append((root, template_field))
         return names
 
-    def _cut(self) -> _Cut:
-        """The template (already checked by :meth:`_parse_fields`) cut at its fields."""
-        assert isinstance(self.spec, str)
-        lead, fields, afters = "", list[str](), list[str]()
-        for literal, template_field, format_spec, conversion in string.Formatter().parse(self.spec):
-            # A literal text comes back unescaped ("{{" as "{"), maybe in several runs: it is
-            # joined, not formatted.
-            if afters:
-                afters[-1] += literal
-            else:
-                lead += literal
-            if template_field is not None:
-                alone = template_field + (f"!{conversion}" if conversion else "")
-                fields.append("{" + alone + (f":{format_spec}" if format_spec else "") + "}")
-                afters.append("")
-        # Every literal between two fields is non-empty: "{a}{b}" is refused.
-        marks = tuple(sorted({after[0] for after in afters[:-1]}))
-        literal_text = lead + "".join(afters)
-        marks_in_text = sum(map(literal_text.count, marks))
-        return _Cut(lead, tuple(fields), tuple(afters), marks, marks_in_text)
-
-    @staticmethod
-    def _split_key(cut: _Cut, joined: str, rendered: Mapping[str, Any]) -> str:
-        """The request key of a template of two fields or more whose text ``joined`` holds a
-        separator's first character more often than the template's own text does.
-
-        The fields are joined by the template's own text, which a value may hold too:
-        ``"{tenant}:{order_id}"`` would join ``("acme:eu", 1)`` and ``("acme", "eu:1")`` alike,
-        and the second request would be skipped as a duplicate of the first. Each field's text
-        is read up to the first character of the separator after it, so only a value holding
-        that character is ambiguous; then the key is a digest of the template's parts, a
-        domain of its own (:data:`_SPLIT_TAG`), with the joined text as its readable prefix.
-        Values without it (a datetime's ``:`` in the last field, say) join as before.
-        """
-        texts = [alone.format_map(rendered) for alone in cut.fields]
-        if not any(after[0] in text for text, after in zip(texts, cut.afters[:-1], strict=False)):
-            return safe_key_part(joined)
-        parts = [cut.lead]
-        for text, after in zip(texts, cut.afters, strict=True):
-            parts += (text, after)
-        data = json.dumps(parts, ensure_ascii=False).encode("utf-8", "surrogatepass")
-        return _digested(_SPLIT_TAG + data, joined)
-
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Bind a call's arguments to the task's parameters, defaults applied."""
         names = self._plain_names
@@ -705,7 +706,7 @@ class KeyDeriver:
             cut = self._cut_template
             if cut is not None and cut.marks_in(text) != cut.marks_in_text:
                 # A value holds a separator's first character: its split may be another's.
-                key = self._split_key(cut, text, rendered)
+                key = cut.key(text, rendered)
             else:
                 key = safe_key_part(text)
         except (
