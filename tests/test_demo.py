@@ -6,19 +6,23 @@ touch a Redis service of the machine.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from programs import run_program
 
-from celery_lock.demo.__main__ import Run, main, summarize
-from celery_lock.testing import free_port
+from celery_lock.demo import __main__ as demo_main
+from celery_lock.demo.__main__ import Demo, Run, display_url, main, parse_args, summarize
+from celery_lock.testing import CeleryWorker, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 120
@@ -52,6 +56,13 @@ def reported_pid(output: str, pattern: str) -> int:
     return int(match.group(1))
 
 
+def reported_path(output: str, pattern: str) -> str:
+    """The path the demo printed where ``pattern`` (with one group) matches."""
+    match = re.search(pattern, output)
+    assert match, f"no {pattern!r} in:\n{output}"
+    return match.group(1)
+
+
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie (PID 1 may not reap orphans)."""
     try:
@@ -78,13 +89,14 @@ def group_members(pgid: int) -> list[int]:
 
 
 @pytest.mark.worker
-def test_embedded_run_executes_each_request_once() -> None:
+def test_embedded_run_executes_each_request_once(tmp_path: Path) -> None:
     unreachable = f"redis://127.0.0.1:{free_port()}/0"
-    proc = run_demo(
-        "--requests", "10", "--copies", "3", "--embedded", env=demo_env(REDIS_URL=unreachable)
-    )
+    env = demo_env(REDIS_URL=unreachable, TMPDIR=str(tmp_path))
+    proc = run_demo("--requests", "10", "--copies", "3", "--embedded", env=env)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
+    assert "log kept" not in output
+    assert list(tmp_path.iterdir()) == []  # the worker's log went with the success
     assert "started a private redis-server (--embedded)" in output
     assert table_value(output, "requests") == "10"
     assert table_value(output, "copies") == "3"
@@ -106,6 +118,17 @@ def test_unreachable_redis_url_falls_back_to_a_private_server() -> None:
     assert table_value(output, "executed") == "6"
     assert table_value(output, "skipped") == "6"
     assert table_value(output, "doubles") == "0"
+
+
+@pytest.mark.worker
+def test_log_of_a_failed_run_is_kept_after_the_demo_exits(tmp_path: Path) -> None:
+    args = ["--requests", "5", "--copies", "2", "--timeout", "0.001", "--embedded"]
+    proc = run_demo(*args, env=demo_env(TMPDIR=str(tmp_path)))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output
+    log = Path(reported_path(output, r"worker: log kept at (\S+)"))
+    assert log.parent == tmp_path
+    assert "ready." in log.read_text()  # there, and it is the worker's log
 
 
 @pytest.mark.worker
@@ -168,6 +191,71 @@ def test_rejects_a_zero_count(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--copies", "0"])
     assert exit_info.value.code == 2
     assert "must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.worker
+def test_log_of_a_worker_that_did_not_start_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class WorkerOfNoApp(CeleryWorker):
+        def __init__(self, app: str, **options: Any) -> None:
+            super().__init__("celery_lock_demo_no_such_app", **options)
+
+    monkeypatch.setattr(demo_main, "CeleryWorker", WorkerOfNoApp)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = io.StringIO()
+    assert main(["--requests", "1", "--copies", "1", "--embedded"], out=out) == 2
+    output = out.getvalue()
+    assert "error: the worker did not start" in output
+    log = Path(reported_path(output, r"worker: log kept at (\S+)"))
+    assert "celery_lock_demo_no_such_app" in log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:secret@localhost:6380/0", "redis://:***@localhost:6380/0"),
+        ("redis://me:secret@[::1]:6380/0", "redis://me:***@[::1]:6380/0"),
+        ("redis://me@localhost/0", "redis://me@localhost/0"),
+        ("redis://:secret@localhost:abc/0", "redis://:***@localhost:abc/0"),
+        ("redis://:secret@[::1", "redis://:***@[::1"),
+        ("redis://localhost/0?password=secret&db=1", "redis://localhost/0?password=***&db=1"),
+    ],
+)
+def test_display_url_masks_the_password_also_of_a_malformed_url(url: str, shown: str) -> None:
+    assert display_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:secret@localhost:abc/0",
+        "redis://:secret@[::1",
+        # a FULLWIDTH COMMERCIAL AT: urllib rejects the netloc and quotes it in its error
+        "redis://:s\uff20cret@localhost/0",
+    ],
+)
+@pytest.mark.parametrize("source", ["--redis-url", "$REDIS_URL"])
+def test_malformed_redis_url_falls_back_to_a_private_server(
+    url: str, source: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if source == "$REDIS_URL":
+        monkeypatch.setenv("REDIS_URL", url)
+        argv: list[str] = []
+    else:
+        monkeypatch.delenv("REDIS_URL", raising=False)
+        argv = ["--redis-url", url]
+    out = io.StringIO()
+    demo = Demo(parse_args(argv), out)
+    try:
+        _, private = demo.choose_redis()
+    finally:
+        demo.cleanup()
+    output = out.getvalue()
+    assert private
+    assert f"({source}): invalid URL" in output
+    assert "started a private redis-server (falling back)" in output
+    assert "cret" not in output
 
 
 def run(idx: int, start: float, end: float, fence: int | None = 1, task: str = "t") -> Run:

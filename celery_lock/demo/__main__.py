@@ -26,9 +26,11 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from collections import defaultdict
@@ -37,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from celery import states
@@ -299,18 +300,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # -- Redis -------------------------------------------------------------------------------------
 
 
+#: A URL's scheme and netloc (``user:password@host:port``), read as text.
+_NETLOC = re.compile(r"^(?P<scheme>[^:/?#]*://)(?P<netloc>[^/?#]*)")
+#: redis-py also takes the password as a query parameter.
+_PASSWORD_PARAM = re.compile(r"(?P<name>[?&]password=)(?P<value>[^&#]*)")
+
+
+def _passwords(url: str) -> list[str]:
+    """The passwords written in ``url``: in its netloc and in ``password=`` parameters."""
+    found = [match["value"] for match in _PASSWORD_PARAM.finditer(url)]
+    match = _NETLOC.match(url)
+    if match:
+        userinfo, at, _ = match["netloc"].rpartition("@")
+        if at and ":" in userinfo:
+            found.append(userinfo.partition(":")[2])
+    return [password for password in found if password]
+
+
 def display_url(url: str) -> str:
-    """``url`` with its password masked."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    """``url`` with its passwords masked.
+
+    Read as text, not parsed: a URL that ``urlsplit`` rejects (a port that is not a number, an
+    unclosed ``[``) must still be shown, masked, to say why it is not used.
+    """
+
+    def mask_netloc(match: re.Match[str]) -> str:
+        userinfo, at, host = match["netloc"].rpartition("@")
+        if at and ":" in userinfo:
+            userinfo = userinfo.partition(":")[0] + ":***"
+        return f"{match['scheme']}{userinfo}{at}{host}"
+
+    return _PASSWORD_PARAM.sub(r"\g<name>***", _NETLOC.sub(mask_netloc, url, count=1))
 
 
 def ping(url: str, timeout: float = 1.0) -> str | None:
@@ -323,7 +343,11 @@ def ping(url: str, timeout: float = 1.0) -> str | None:
             retry=Retry(NoBackoff(), 0),
         )
     except ValueError as exc:
-        return f"invalid URL: {exc}"
+        # urllib may quote the netloc it rejects, password and all
+        why = str(exc)
+        for password in _passwords(url):
+            why = why.replace(password, "***")
+        return f"invalid URL: {why}"
     try:
         client.ping()
     except (redis.RedisError, OSError) as exc:
@@ -540,21 +564,27 @@ class Demo:
 
     def start_worker(self, config: demo_app.DemoConfig) -> bool:
         """Start the worker pool; its log is kept (and named) unless the run succeeds."""
+        # The demo's own file, not CeleryWorker's default: that one is deleted when the worker
+        # object goes, at the latest when this interpreter exits, so a log "kept" would be gone.
+        fd, name = tempfile.mkstemp(prefix="celery-lock-demo-worker-", suffix=".log")
+        os.close(fd)
+        logfile = Path(name)
         worker = CeleryWorker(
             "celery_lock.demo.app",
             pool="prefork",
             concurrency=self.args.concurrency,
             extra_args=["--without-mingle", "--without-gossip"],
             env={**config.environ(), "PYTHONPATH": _source_path()},
+            logfile=logfile,
         )
 
         def stop_worker() -> None:
             worker.stop(timeout=10)
             if self.keep_log:
-                self.say(f"worker: log kept at {worker.logfile}")
+                self.say(f"worker: log kept at {logfile}")
             else:
                 with contextlib.suppress(OSError):
-                    worker.logfile.unlink()
+                    logfile.unlink()
 
         self._cleanups.append(stop_worker)
         try:
