@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
@@ -53,7 +54,8 @@ def validate_redis_url(setting: str, url: str) -> str:
     ``redis:///0`` are localhost, and a query argument redis-py cannot read
     (``?socket_timeout=abc``) or cannot use (``?ssl_cert_reqs=CERT_REQUIRED``, ``?protocol=4``)
     is refused here instead of when the first task connects. So is ``?max_connections=1``:
-    the lock store keeps one connection for itself and the heartbeat needs another. A
+    the lock store keeps one connection for itself and the heartbeat needs another; and so is
+    ``?decode_responses=...``, since the store reads bytes. A
     ``sentinel://`` URL is read as :class:`celery_lock.sentinel.SentinelURL` reads it.
     """
     if not isinstance(url, str) or not url:
@@ -73,7 +75,12 @@ def validate_redis_url(setting: str, url: str) -> str:
 
 def _check_redis_url(setting: str, url: str) -> None:
     """Refuse a ``redis://``, ``rediss://`` or ``unix://`` URL that redis-py would misread."""
-    scheme = urlsplit(url).scheme
+    try:
+        split = urlsplit(url)
+        split.port  # noqa: B018 - read to be checked: a port that is not a number raises here
+    except ValueError as exc:  # an unclosed "[", a host no IP address, a port not a number
+        raise ConfigurationError(setting, f"malformed URL: {_masked(str(exc), url)}") from None
+    scheme = split.scheme
     if scheme not in _REDIS_SCHEMES:
         raise ConfigurationError(
             setting,
@@ -87,13 +94,24 @@ def _check_redis_url(setting: str, url: str) -> None:
         raise ConfigurationError(setting, "the unix:// URL names no socket path")
     # redis-py takes the path as the database only when it is a number, and ignores any other
     # (while ?db=locks is an error): redis://host/locks would put the leases in database 0.
-    database = unquote(urlsplit(url).path).replace("/", "")
+    database = unquote(split.path).replace("/", "")
     if scheme != "unix" and database and "db" not in options and not database.isdigit():
         raise ConfigurationError(
             setting,
             f"the URL's path {database!r} is not a database number: redis-py would ignore it "
             "and use database 0 (write redis://host:port/2)",
         )
+
+
+_USERINFO = re.compile(r"^[^:/?#]*://([^/?#]*)@")
+
+
+def _masked(text: str, url: str) -> str:
+    """``text`` (an error about ``url``) without the URL's password: urllib quotes the part of
+    a URL it rejects, user and password included."""
+    found = _USERINFO.match(url)
+    password = found.group(1).partition(":")[2] if found else ""
+    return text.replace(password, "***") if password else text
 
 
 @lru_cache(maxsize=64)
@@ -117,6 +135,13 @@ def _connection_problem(url: str) -> str | None:
             # CERT_REQUIRED is how Celery's own settings (and error messages) spell it.
             hint = " (redis-py spells ssl_cert_reqs none, optional or required, on rediss:// only)"
         return f"redis-py cannot connect with this URL: {text}{hint}"
+    if pool.connection_kwargs.get("decode_responses"):
+        # redis-py passes the query's text on as it is, so "False" decodes too. The lock store
+        # reads bytes: a hand-on marker is not UTF-8, and decoding it would fail every copy.
+        return (
+            "decode_responses is not for the lock store, which reads the replies as bytes "
+            "(redis-py takes any value given in the URL, False too, as on); leave it out"
+        )
     if pool.max_connections < 2:
         return (
             f"max_connections={pool.max_connections} is too few: the lock store keeps one "

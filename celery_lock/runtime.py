@@ -41,16 +41,26 @@ def first_broker_url(app: Celery) -> str:
 
 def lock_store_url(app: Celery, settings: LockSettings) -> str:
     """The lock store URL: ``celery_lock_redis_url``, else the broker URL when it is Redis
-    (the first URL, where ``broker_url`` lists failover brokers; a ``rediss://`` one with the
-    options of ``broker_use_ssl``; every sentinel of a ``sentinel://`` one, with the
-    ``master_name`` of ``broker_transport_options``)."""
+    (the first URL, where ``broker_url`` lists failover brokers; a ``rediss://`` one, or a
+    ``redis://`` one that ``broker_use_ssl`` puts on TLS, with the options of
+    ``broker_use_ssl``; every sentinel of a ``sentinel://`` one, with the ``master_name`` of
+    ``broker_transport_options``).
+
+    Raises:
+        ConfigurationError: where the broker is not Redis, or its URL gives what the lock store
+            cannot follow (a ``credential_provider``).
+    """
     if settings.redis_url:
         return settings.redis_url
     sentinels = _broker_sentinels(app)
     if sentinels is not None:
         return validate_redis_url("broker_url", _with_broker_master(app, sentinels))
-    broker = _without_kombus_own_arguments(first_broker_url(app))
+    broker = _without_kombus_own_arguments(first_broker_url(app), _KOMBU_URL_ARGUMENTS)
     scheme = broker.split("://", 1)[0]
+    if scheme == "redis" and _broker_tls_options(app):
+        # kombu puts a redis:// broker on TLS when broker_use_ssl gives it options: the lock
+        # store on the same server must not send its password and leases in plain text.
+        broker, scheme = "rediss" + broker.removeprefix("redis"), "rediss"
     if scheme == "redis+socket":
         return validate_redis_url("broker_url", _socket_broker_as_redis_url(broker))
     if scheme == "rediss":
@@ -66,13 +76,24 @@ def lock_store_url(app: Celery, settings: LockSettings) -> str:
 #: What kombu reads from any broker URL's query for its own connection, none of which redis-py
 #: takes (it refuses an argument it does not know): kombu's Redis transport ignores all but the
 #: connect timeout, which it passes on as redis-py's socket_connect_timeout.
-_KOMBU_URL_ARGUMENTS = {
+_KOMBU_URL_ARGUMENTS: Mapping[str, str | None] = {
     "connect_timeout": "socket_connect_timeout",
     "heartbeat": None,
     "insist": None,
     "login_method": None,
-    "credential_provider": None,
 }
+
+#: The same for a sentinel broker URL, which has no place for a socket option (SentinelURL
+#: refuses one): its connect timeout is dropped, and the store's own applies.
+_KOMBU_SENTINEL_URL_ARGUMENTS: Mapping[str, str | None] = {
+    **_KOMBU_URL_ARGUMENTS,
+    "connect_timeout": None,
+}
+
+#: kombu (5.6 and later) builds a redis-py CredentialProvider from this argument, a dotted class
+#: path. A URL can only carry a fixed user and password, and a provider exists to change them
+#: (rotating tokens): the lock store cannot follow it, and must not connect without it.
+_CREDENTIAL_PROVIDER = "credential_provider"
 
 
 #: A URL query as ``(name, value)`` pairs, in order.
@@ -82,32 +103,54 @@ _Query = list[tuple[str, str]]
 def _with_query(url: str, rewrite: Callable[[_Query], _Query]) -> str:
     """``url`` with its query's ``(name, value)`` pairs rewritten; ``url`` itself, untouched,
     where ``rewrite`` changes nothing (so a URL redis-py took before is passed on as it was)."""
-    base, _, query = url.partition("?")
-    pairs = parse_qsl(query, keep_blank_values=True)
+    base, _, _ = url.partition("?")
+    pairs = _query_of(url)
     rewritten = rewrite(pairs)
     if rewritten == pairs:
         return url
     return f"{base}?{urlencode(rewritten)}" if rewritten else base
 
 
-def _without_kombus_own_arguments(broker: str) -> str:
-    """A broker URL with the query arguments kombu reads for itself (``?heartbeat=10``) taken
-    off, or given as redis-py names them (``connect_timeout``), so that a URL the broker's
-    connection takes gives a lock store URL redis-py takes."""
+def _query_of(url: str) -> _Query:
+    """The ``(name, value)`` pairs of one URL's query."""
+    return parse_qsl(url.partition("?")[2], keep_blank_values=True)
+
+
+def _with_each_query(urls: str, rewrite: Callable[[_Query], _Query]) -> str:
+    """``urls``, ``;``-separated (a list of sentinels), with each one's query rewritten on its
+    own: split at its first ``?``, the whole list would lose every later URL into the query of
+    the one that has it."""
+    return ";".join(_with_query(url, rewrite) for url in urls.split(";"))
+
+
+def _without_kombus_own_arguments(broker: str, kombus_own: Mapping[str, str | None]) -> str:
+    """A broker URL (or ``;``-separated list) with the query arguments kombu reads for itself
+    (``?heartbeat=10``) taken off, or given as redis-py names them, as ``kombus_own`` maps
+    them, so that a URL the broker's connection takes gives a lock store URL redis-py takes.
+
+    Raises:
+        ConfigurationError: where it names a ``credential_provider``.
+    """
 
     def rewrite(pairs: _Query) -> _Query:
         given = {name for name, _ in pairs}
+        if _CREDENTIAL_PROVIDER in given:
+            raise ConfigurationError(
+                "celery_lock_redis_url",
+                "not set, and the broker URL names a credential_provider, which the lock store "
+                "cannot take from it: set it to the lock store's URL, with its user and password",
+            )
         kept: _Query = []
         for name, value in pairs:
-            if name not in _KOMBU_URL_ARGUMENTS:
+            if name not in kombus_own:
                 kept.append((name, value))
                 continue
-            redis_name = _KOMBU_URL_ARGUMENTS[name]
+            redis_name = kombus_own[name]
             if redis_name is not None and redis_name not in given:
                 kept.append((redis_name, value))
         return kept
 
-    return _with_query(broker, rewrite)
+    return _with_each_query(broker, rewrite)
 
 
 # kombu reads a broker URL's ssl_cert_reqs in Celery's spelling too; redis-py only in its own.
@@ -128,16 +171,21 @@ def _with_broker_ssl(app: Celery, broker: str) -> str:
     def rewrite(pairs: _Query) -> _Query:
         query = [(name, _query_value(value, name)) for name, value in pairs]
         given = {name for name, _ in query}
-        options = app.conf.broker_use_ssl
-        if isinstance(options, Mapping):
-            query += [
-                (name, _query_value(value, name))
-                for name, value in options.items()
-                if name not in given and value is not None
-            ]
+        query += [
+            (name, _query_value(value, name))
+            for name, value in _broker_tls_options(app).items()
+            if name not in given and value is not None
+        ]
         return query
 
     return _with_query(broker, rewrite)
+
+
+def _broker_tls_options(app: Celery) -> Mapping[str, Any]:
+    """The options of ``broker_use_ssl`` where kombu reads them: a dict, not ``True``; empty
+    where there are none (kombu then leaves a ``redis://`` broker without TLS)."""
+    options = app.conf.broker_use_ssl
+    return options if isinstance(options, Mapping) else {}
 
 
 def _query_value(value: Any, name: str) -> str:
@@ -162,7 +210,7 @@ def _broker_sentinels(app: Celery) -> str | None:
         broker = ";".join(str(url) for url in broker)
     if not isinstance(broker, str) or not is_sentinel_url(broker):
         return None
-    return _without_kombus_own_arguments(broker)
+    return _without_kombus_own_arguments(broker, _KOMBU_SENTINEL_URL_ARGUMENTS)
 
 
 def _with_broker_master(app: Celery, sentinels: str) -> str:
@@ -206,16 +254,15 @@ def _with_broker_master(app: Celery, sentinels: str) -> str:
     master_tls = app.conf.broker_use_ssl
     if isinstance(master_tls, Mapping):
         wanted.update(ssl=True, **master_tls)
-
-    def rewrite(pairs: _Query) -> _Query:
-        given = {name for name, _ in pairs}
-        return pairs + [
-            (name, _query_value(value, name))
-            for name, value in wanted.items()
-            if value is not None and name not in given
-        ]
-
-    return _with_query(sentinels, rewrite)
+    # SentinelURL reads the query of every sentinel as one: what any of them gives is given.
+    given = {name for url in sentinels.split(";") for name, _ in _query_of(url)}
+    added = [
+        (name, _query_value(value, name))
+        for name, value in wanted.items()
+        if value is not None and name not in given
+    ]
+    *others, last = sentinels.split(";")
+    return ";".join([*others, _with_query(last, lambda pairs: pairs + added)])
 
 
 def _socket_broker_as_redis_url(broker: str) -> str:

@@ -20,7 +20,7 @@ from celery_lock import ConfigurationError, LockedTask, LockSettings, LockStoreE
 from celery_lock.checks import misnamed_settings, settings_warnings
 from celery_lock.config import MAX_SECONDS
 from celery_lock.keys import RequestKeys
-from celery_lock.lease import Acquired, Holder, Lease, new_token
+from celery_lock.lease import Acquired, HandOn, Holder, Lease, encode_done, new_token
 from celery_lock.runtime import lock_store_url
 from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer
@@ -84,6 +84,9 @@ INVALID = [
     ("redis_url", "rediss://localhost/0?ssl_cert_reqs=CERT_REQUIRED"),
     ("redis_url", "redis://localhost/0?protocol=4"),
     ("redis_url", "redis://localhost/0?max_connections=1"),
+    ("redis_url", "redis://localhost/0?decode_responses=False"),
+    ("redis_url", "redis://[::1"),  # urllib's ValueError, not a traceback
+    ("redis_url", "redis://[zz]/0"),
     ("redis_url", "unix://"),
     ("redis_url", ""),
     ("redis_url", 6379),
@@ -254,6 +257,47 @@ def test_a_lock_store_pool_of_one_connection_is_refused_saying_why(
         "least 2, or leave it out"
     )
     assert LockSettings.resolve({"celery_lock_redis_url": f"{lock_url}?max_connections=2"})
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://:secret@[::1/0", "malformed URL: Invalid IPv6 URL"),
+        ("redis://:secret@[zz]/0", "malformed URL: 'zz' does not appear to be an IPv4 or IPv6"),
+        # A FULLWIDTH COMMERCIAL AT: urllib quotes the netloc it refuses, password and all.
+        ("redis://:s\uff20cret@localhost/0", "malformed URL: netloc ':***@localhost'"),
+    ],
+)
+def test_a_url_urllib_cannot_split_is_refused_without_its_password(url: str, problem: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        LockSettings.resolve({"celery_lock_redis_url": url})
+    assert raised.value.problem.startswith(problem)
+    assert "cret" not in str(raised.value)
+
+
+@pytest.mark.parametrize("flag", ["True", "False", "0"])
+def test_a_lock_store_url_asking_for_decoded_replies_is_refused_saying_why(
+    flag: str, lock_url: str
+) -> None:
+    """redis-py passes the query's text on as it is, so any value decodes; the store reads a
+    hand-on marker, which is not UTF-8, and every later copy of that request would fail on it
+    with a UnicodeDecodeError instead of being skipped."""
+    url = f"{lock_url}?decode_responses={flag}"
+    store = LockStore.from_url(url)
+    try:
+        keys = RequestKeys.build("celery-lock", "config_tests.t", "8", "config_tests.t")
+        store.client.set(keys.done, encode_done("id-1", HandOn(0, "id-1")), px=60_000)
+        with pytest.raises(UnicodeDecodeError):
+            store.acquire(keys, new_token(), 60_000, Holder("id-2", "config_tests.t", "h", 1), 0)
+    finally:
+        store.client.delete(keys.done)
+        store.client.close()
+    with pytest.raises(ConfigurationError) as raised:
+        LockSettings.resolve({"celery_lock_redis_url": url})
+    assert raised.value.problem == (
+        "decode_responses is not for the lock store, which reads the replies as bytes (redis-py "
+        "takes any value given in the URL, False too, as on); leave it out"
+    )
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from redis.connection import SSLConnection
 from tls import TlsFiles, start_with_tls
 
 from celery_lock import SKIPPED, LockedTask, LockSettings, LockStoreUnavailableError, checks
+from celery_lock.exceptions import ConfigurationError
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Done, Holder, Lease, encode_lock, new_token
 from celery_lock.runtime import lock_store_url, reset_runtime
@@ -278,6 +279,58 @@ def test_a_url_of_its_own_is_not_given_the_brokers_ssl_options() -> None:
     app.conf.broker_url = "rediss://broker:6380/0"
     app.conf.broker_use_ssl = {"ssl_cert_reqs": "CERT_OPTIONAL"}
     assert lock_store_url(app, LockSettings()) == "rediss://broker:6380/0?ssl_cert_reqs=optional"
+
+
+def test_a_redis_broker_that_broker_use_ssl_puts_on_tls_gives_a_tls_lock_store(
+    tls_server: TlsServer,
+) -> None:
+    """kombu connects a ``redis://`` broker over TLS where ``broker_use_ssl`` is a dict; a lock
+    store in plain text would send its password and leases unencrypted (a TLS port refuses it)."""
+    app = Celery("tls", broker=f"redis://127.0.0.1:{tls_server.tls_port}/0", set_as_current=False)
+    app.conf.broker_use_ssl = {
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+        "ssl_ca_certs": tls_server.ca_file,
+    }
+    url = lock_store_url(app, LockSettings())
+    ca = quote(tls_server.ca_file, safe="")
+    assert (
+        url
+        == f"rediss://127.0.0.1:{tls_server.tls_port}/0?ssl_cert_reqs=required&ssl_ca_certs={ca}"
+    )
+    store = LockStore.from_url(url, retry_attempts=1)
+    try:
+        full_cycle(store)
+    finally:
+        store.client.close()
+
+
+@pytest.mark.parametrize("use_ssl", [True, {}, None], ids=repr)
+def test_a_redis_broker_that_kombu_leaves_in_plain_text_gives_a_plain_lock_store(
+    use_ssl: Any,
+) -> None:
+    # kombu reads broker_use_ssl for a redis:// broker only as a dict of options.
+    app = Celery("tls", broker="redis://broker:6379/0", set_as_current=False)
+    app.conf.broker_use_ssl = use_ssl
+    assert lock_store_url(app, LockSettings()) == "redis://broker:6379/0"
+
+
+@pytest.mark.parametrize(
+    "broker",
+    [
+        "redis://broker:6379/0?credential_provider=app.Credentials",
+        "rediss://broker:6380/0?ssl_cert_reqs=required&credential_provider=app.Credentials",
+        "sentinel://a:26379;sentinel://b:26379?credential_provider=app.Credentials",
+    ],
+)
+def test_a_broker_url_with_a_credential_provider_gives_no_lock_store(broker: str) -> None:
+    """kombu logs in with the provider's credentials, which change (that is what a provider is
+    for) and which no URL can carry: the store must not connect without them."""
+    app = Celery("creds", broker=broker, set_as_current=False)
+    app.conf.broker_transport_options = {"master_name": "queues"}
+    with pytest.raises(ConfigurationError, match="celery_lock_redis_url: not set, and the broker"):
+        lock_store_url(app, LockSettings())
+    mine = "redis://locker:pw@locks:6379/0"
+    assert lock_store_url(app, LockSettings(redis_url=mine)) == mine
 
 
 def test_rediss_url_is_passed_through_to_redis_py() -> None:

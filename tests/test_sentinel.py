@@ -347,6 +347,33 @@ def test_the_brokers_sentinels_and_master_name_give_the_lock_store_when_no_url_i
 
 
 @pytest.mark.parametrize(
+    "broker",
+    [
+        "sentinel://a:26379?heartbeat=10;sentinel://b:26379;sentinel://c:26379",
+        ["sentinel://a:26379?heartbeat=10", "sentinel://b:26379", "sentinel://c:26379?insist=1"],
+        "sentinel://a:26379?sentinel_password=watch;sentinel://b:26379;sentinel://c:26379",
+    ],
+    ids=repr,
+)
+def test_every_sentinel_of_the_broker_is_kept_whichever_one_has_a_query(broker: Any) -> None:
+    app = broker_app(broker, broker_transport_options={"master_name": "queues"})
+    read = SentinelURL.parse(lock_store_url(app, LockSettings()))
+    assert read.sentinels == (("a", 26379), ("b", 26379), ("c", 26379))
+    assert read.master_name == "queues"
+
+
+def test_a_sentinel_brokers_connect_timeout_does_not_stop_the_lock_store() -> None:
+    """kombu reads ``connect_timeout`` from any broker URL; a sentinel URL has no socket option
+    (the store's own connect timeout applies), so it is dropped rather than refused."""
+    app = broker_app(
+        "sentinel://a:26379;sentinel://b:26379?connect_timeout=2",
+        broker_transport_options={"master_name": "queues"},
+    )
+    url = lock_store_url(app, LockSettings())
+    assert url == "sentinel://a:26379;sentinel://b:26379?master_name=queues"
+
+
+@pytest.mark.parametrize(
     ("conf", "setting", "problem"),
     [
         ({}, "broker_transport_options", "no master_name"),
