@@ -112,8 +112,12 @@ class Heartbeat:
         for extend in extending:
             if extend is not threading.current_thread():
                 extend.join(max(0.0, deadline - _monotonic()))
-        self._thread = None
-        self._alive = False
+        with self._guard:
+            # Only the thread this call stopped: one that add() started during the joins runs
+            # on, and forgetting it here would leave it beating beside the next one started.
+            if self._thread is thread:
+                self._thread = None
+                self._alive = False
 
     def add(self, lease: Lease, interval: float) -> None:
         """Keep ``lease`` alive, extending it at least every ``interval`` seconds."""

@@ -105,6 +105,39 @@ def test_a_thread_that_outlives_stop_ends_instead_of_beating_beside_the_next(
         heartbeat.stop()
 
 
+def test_a_thread_started_while_stop_waits_for_an_extend_is_not_forgotten_by_it() -> None:
+    """stop() waits for extends still on their way; a task may start meanwhile (a threads pool,
+    a runtime closed under it), and its lease starts a new thread, which stop() must leave
+    known: forgotten, it would beat on beside the next one started, and no stop() would end it."""
+    heartbeat = Heartbeat()
+    heartbeat.add(object(), LONG)  # type: ignore[arg-type]
+    first = heartbeat._thread
+    assert first is not None
+    unblock = threading.Event()
+    extend = threading.Thread(target=unblock.wait, args=(10,))  # an extend on a slow store
+    extend.start()
+    heartbeat._in_flight[object()] = extend  # type: ignore[index]
+    stopper = threading.Thread(target=heartbeat.stop)
+    stopper.start()
+    try:
+        first.join(10)
+        assert not first.is_alive()  # stop() now waits for the extend
+        heartbeat.add(object(), LONG)  # type: ignore[arg-type]
+        second = heartbeat._thread
+        assert second is not None
+        assert second is not first
+    finally:
+        unblock.set()
+        stopper.join(10)
+    try:
+        assert heartbeat.running
+        assert heartbeat._thread is second
+        assert second.is_alive()
+    finally:
+        heartbeat.stop()
+    assert not second.is_alive()
+
+
 def refusing(name: str) -> Callable[[threading.Thread], None]:
     """A ``Thread.start`` that refuses the threads called ``name``, as a process at its thread
     limit (a container's pids.max) refuses every new one."""
