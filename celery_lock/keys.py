@@ -72,6 +72,9 @@ _BYTES_TAG = b"\xfe"
 #: What a template key digests before its parts when a value holds the separator after it:
 #: another byte UTF-8 text never holds, so no joined text and no bytes share its digests.
 _SPLIT_TAG = b"\xfd"
+#: What a template key holding a ``bytes`` value digests before it: which values are bytes,
+#: then the key as it would be; a byte of its own, so no str-only call shares its digests.
+_TYPED_TAG = b"\xfc"
 #: What :func:`safe_key_part` returns for a part it digests.
 _DIGESTED = re.compile(rf"{_SAFE.pattern}~[0-9a-f]{{{_DIGEST_HEX}}}")
 
@@ -727,7 +730,24 @@ class KeyDeriver:
                 f"the call is None",
                 task_name=self.task_name,
             )
+        if "~" in text:  # a bytes value's digest is in it, or a str's "~" (then digested too)
+            return self._bytes_kept_apart(spec, arguments, key)
         return key
+
+    def _bytes_kept_apart(self, spec: str, arguments: Mapping[str, Any], key: str) -> str:
+        """``key``, the key of a template call, unless a value it holds is ``bytes``: then a
+        digest of ``key`` and of which values are bytes (:data:`_TYPED_TAG`).
+
+        A ``bytes`` value is put in as its digest, ``safe_key_part(value)``, which a ``str``
+        value can spell too: ``"acme:{blob}"`` would key ``b"x"`` and the text of its digest
+        alike, and one request would be skipped as a duplicate of the other.
+        """
+        leaves: list[Any] = []
+        spec.format_map({name: _KeyField(arguments[name], leaves) for name in self._fields})
+        kinds = "".join("b" if isinstance(leaf, bytes) else "s" for leaf in leaves)
+        if "b" not in kinds:
+            return key
+        return _digested(_TYPED_TAG + f"{kinds}\0{key}".encode(), key)
 
     def _call_key_function(
         self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]

@@ -860,7 +860,30 @@ def test_bytes_in_a_template_are_digested_not_written_as_hex() -> None:
     keys = by_template.request_keys(("acme", blob), {})
     assert keys != by_template.request_keys(("acme", blob.hex()), {})
     request_key = deriver(by_template).request_key(("acme", blob), {})
-    assert request_key == safe_key_part(f"acme:{safe_key_part(blob)}")
+    # The digest's text in a str, spelled alike, is another request (see the test below).
+    assert request_key != safe_key_part(f"acme:{safe_key_part(blob)}")
+    assert re.fullmatch(r"acme:[0-9a-f]{32}[0-9a-f]*~[0-9a-f]{32}", request_key)
+
+
+@pytest.mark.parametrize(
+    ("spec", "calls"),
+    [
+        ("{tenant}:{order_id}", [("acme", b"x"), ("acme", "<x>")]),
+        ("{tenant}:{order_id}", [(b"x", b"y"), (b"x", "<y>"), ("<x>", b"y"), ("<x>", "<y>")]),
+        ("order-{order_id}", [("", b"x"), ("", "<x>")]),
+    ],
+)
+def test_a_bytes_value_in_a_template_and_the_text_of_its_digest_are_keyed_apart(
+    spec: str, calls: list[tuple[Any, Any]]
+) -> None:
+    # A bytes value is put in as its digest, which a str value can spell: "<x>" is the text
+    # safe_key_part(b"x") gives, put in as a str.
+    def spelled(value: Any) -> Any:
+        return safe_key_part(value[1:-1].encode()) if value in ("<x>", "<y>") else value
+
+    derive = KeyDeriver.create("t", inspect.signature(lambda tenant, order_id: 0), spec)
+    keys = [derive.request_key(tuple(map(spelled, call)), {}) for call in calls]
+    assert len(set(keys)) == len(keys), dict(zip(map(str, calls), keys, strict=True))
 
 
 def test_default_key_is_a_digest_of_the_task_name_and_bound_arguments() -> None:
