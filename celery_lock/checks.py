@@ -73,6 +73,7 @@ __all__ = [
     "misnamed_settings",
     "request_class_warnings",
     "settings_warnings",
+    "store_prefixes",
     "store_warnings",
     "unknown_settings",
     "warn_at_startup",

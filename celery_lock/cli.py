@@ -42,7 +42,7 @@ from .exceptions import ConfigurationError, LockKeyError
 from .keys import RequestKeys, stored_key_part
 from .lease import decode_done, decode_lock
 from .runtime import lock_store_url
-from .store import client_for_url, reach
+from .store import client_for_url, reach, redis_integer
 
 __all__ = ["LeaseInfo", "lock"]
 
@@ -277,6 +277,7 @@ class LockAdmin:
                 entry["task_id"] = marker.task_id
                 if marker.handed_on_at is not None:  # a replaced run's, see lease.Done
                     entry["handed_on_at"] = marker.handed_on_at
+                    entry["sent"] = marker.sent
             entry["ttl_left_s"] = _ttl_left(pttl)
             done[done_key.removeprefix(done_prefix)] = entry
         return {
@@ -387,10 +388,8 @@ def _fence(value: Any, key_type: Any) -> int | str | None:
         return None
     if _wrong_type(value):
         return _not_a_string(key_type)
-    try:
-        return int(value)
-    except ValueError:
-        return f"<not an integer: {_text(value)!r}>"
+    number = redis_integer(_text(value))
+    return f"<not an integer: {_text(value)!r}>" if number is None else number
 
 
 def _escape(text: str) -> str:
@@ -566,28 +565,29 @@ def show_command(ctx: click.Context, key: str) -> None:
 
 def _how_done(marker: dict[str, Any]) -> str:
     """``by <task id>``, or, for a request a run handed on with ``self.replace``, ``handed on
-    by <task id> at depth <n>``."""
+    by <task id> at depth <n>`` (``being handed on`` until the replacement was sent)."""
     if "handed_on_at" in marker:
-        return f"handed on by {marker['task_id']} at depth {marker['handed_on_at']}"
+        how = "handed on" if marker["sent"] else "being handed on"
+        return f"{how} by {marker['task_id']} at depth {marker['handed_on_at']}"
     return f"by {marker['task_id']}"
 
 
 @lock.command(name="key")
 @click.argument("task_name", metavar="TASK")
 @click.option(
-    "-a", "--args", "call_args", type=JSON_ARRAY, default=None,
+    "-a", "--args", "args", type=JSON_ARRAY, default=None,
     help="The call's positional arguments, as a JSON array.",
 )  # fmt: skip
 @click.option(
-    "-k", "--kwargs", "call_kwargs", type=JSON_OBJECT, default=None,
+    "-k", "--kwargs", "kwargs", type=JSON_OBJECT, default=None,
     help="The call's keyword arguments, as a JSON object.",
 )  # fmt: skip
 @click.pass_context
 def key_command(
     ctx: click.Context,
     task_name: str,
-    call_args: list[Any] | None,
-    call_kwargs: dict[str, Any] | None,
+    args: list[Any] | None,
+    kwargs: dict[str, Any] | None,
 ) -> None:
     """Print the lock key of the request a call of TASK works on, as its worker derives it.
 
@@ -606,7 +606,7 @@ def key_command(
     if not isinstance(task, LockedTask):
         raise click.UsageError(f"{task_name} is not a LockedTask: its calls take no lock")
     try:
-        keys = task.request_keys(tuple(call_args or ()), call_kwargs or {})
+        keys = task.request_keys(tuple(args or ()), kwargs or {})
     except (LockKeyError, ConfigurationError) as exc:
         raise click.UsageError(str(exc)) from exc
     options = ctx.find_object(_Options)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HANDED_ON",
+    "HANDING_ON",
     "Acquired",
     "Done",
     "HandOn",
@@ -147,6 +148,12 @@ class Done:
     #: request on; ``None``: a run completed it. Only a message of the same canvas (root id) at
     #: a greater depth, sent by the replacement, runs the task on the request again.
     handed_on_at: int | None = None
+    #: For a hand-on marker: the root task id of its canvas.
+    root_id: str = ""
+    #: For a hand-on marker: whether its replacement is known to have been sent. ``False`` for
+    #: the marker the release writes before sending it: a run killed in between sent nothing,
+    #: and the redelivery of its message must run the request again.
+    sent: bool = True
 
 
 @dataclass(frozen=True)
@@ -157,30 +164,42 @@ class HandOn:
 
     depth: int
     root_id: str
+    #: Whether the replacement went out: the release writes the marker before it is sent
+    #: (``HANDING_ON``), and the marker becomes ``HANDED_ON`` once it was.
+    sent: bool = False
 
 
 #: How a hand-on marker starts. Its fields are separated by the same byte, 0xFF, which no UTF-8
 #: text holds: no task id reads as a hand-on marker, and no id splits one.
 HANDED_ON = b"\xffhanded-on:"
+#: How a hand-on marker starts until its replacement was sent.
+HANDING_ON = b"\xffhanding-on:"
 
 
 def encode_done(task_id: str, hand_on: HandOn | None = None) -> str | bytes:
     """A done-marker's value: the task id of the run that completed the request, or, for a run
-    that handed it on, ``HANDED_ON + b"<depth>\\xff<root id>\\xff<task id>"``."""
+    that handed it on, ``HANDED_ON + b"<depth>\\xff<root id>\\xff<task id>"`` (``HANDING_ON``
+    first until the replacement was sent)."""
     if hand_on is None:
         return task_id
     root, task = hand_on.root_id.encode(), task_id.encode()
-    return HANDED_ON + b"%d\xff%s\xff%s" % (hand_on.depth, root, task)
+    prefix = HANDED_ON if hand_on.sent else HANDING_ON
+    return prefix + b"%d\xff%s\xff%s" % (hand_on.depth, root, task)
 
 
 def decode_done(value: str | bytes) -> Done:
     """Parse a done-marker's value (see :func:`encode_done`); text that is not a hand-on
     marker is the id of the task that completed the request."""
     data = value.encode() if isinstance(value, str) else value
-    if data.startswith(HANDED_ON):
-        fields = data[len(HANDED_ON) :].split(b"\xff")
-        if len(fields) == 3 and fields[0].isdigit():
-            return Done(fields[2].decode(errors="replace"), handed_on_at=int(fields[0]))
+    for prefix in (HANDED_ON, HANDING_ON):
+        if data.startswith(prefix):
+            fields = data[len(prefix) :].split(b"\xff")
+            if len(fields) == 3 and fields[0].isdigit():
+                depth, root, task = fields
+                return Done(
+                    task.decode(errors="replace"), handed_on_at=int(depth),
+                    root_id=root.decode(errors="replace"), sent=prefix == HANDED_ON,
+                )  # fmt: skip
     return Done(data.decode(errors="replace"))
 
 

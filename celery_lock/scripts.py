@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import redis
 from redis.commands.core import Script
 
-__all__ = ["ACQUIRE", "EXTEND", "RELEASE", "WITHDRAW", "Scripts"]
+__all__ = ["ACQUIRE", "EXTEND", "RELEASE", "SWAP_HAND_ON", "Scripts"]
 
 # KEYS[1] - lock (string "<token> <fence> <holder>")
 # KEYS[2] - fence counter
@@ -41,9 +41,9 @@ __all__ = ["ACQUIRE", "EXTEND", "RELEASE", "WITHDRAW", "Scripts"]
 # ARGV[6] - (a replacement only) the message's replacement depth (Celery's
 #           replaced_task_nesting), and
 # ARGV[7] - its canvas's root task id: a hand-on marker ("\xffhanded-on:<depth>\xff<root id>
-#           \xff<task id>", written by the release of a run that called self.replace) of the
-#           same root at a lesser depth lets it through (the replacement, or a step of it); every
-#           other marker answers "done"
+#           \xff<task id>", written by the release of a run that called self.replace, with
+#           "handing-on" until the replacement was sent) of the same root at a lesser depth lets
+#           it through (the replacement, or a step of it); every other marker answers "done"
 # return <fence>                              -- granted (an integer reply, below 2^53)
 #      | {"done", <the done-marker: the task id that completed it, or a hand-on marker>}
 #      | {"held", "<fence> <holder>", <pttl>}  -- the holder's token is never returned
@@ -65,7 +65,7 @@ local done = redis.call('GET', KEYS[3])  -- GET, not MGET: MGET reads a key of a
 if done then                             -- as nil, and garbage must not pass for "free"
     local depth, root = false, false
     if ARGV[6] then
-        depth, root = string.match(done, '^\\255handed%-on:(%d+)\\255([^\\255]*)\\255')
+        depth, root = string.match(done, '^\\255hand%l+%-on:(%d+)\\255([^\\255]*)\\255')
     end
     if not (root == ARGV[7] and tonumber(depth) < tonumber(ARGV[6])) then
         return {'done', done}
@@ -184,14 +184,21 @@ return 3
 
 
 # KEYS[1] - done-marker of this task name
-# ARGV[1] - the hand-on marker a release wrote (see ACQUIRE)
-# return 1 if the done-marker still was that marker (now deleted), else 0: the replacement it
-#        announced was never sent, and a later copy must run the request
-WITHDRAW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+# ARGV[1] - the hand-on marker a release wrote before sending the replacement (see ACQUIRE)
+# ARGV[2] - what takes its place: the marker of a replacement that was sent, or "" to delete it
+#           (the replacement was not sent, and a later copy must run the request)
+# ARGV[3] - with a marker in ARGV[2], the done-marker TTL in milliseconds
+# return 1 if the done-marker still was ARGV[1] (now replaced or deleted), else 0: the
+#        replacement ran and wrote a marker of its own, or the marker expired
+SWAP_HAND_ON = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return 0
+end
+if ARGV[2] == '' then
     return redis.call('DEL', KEYS[1])
 end
-return 0
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
 """
 
 
@@ -202,7 +209,7 @@ class Scripts:
     acquire: Script
     extend: Script
     release: Script
-    withdraw: Script
+    swap_hand_on: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> Scripts:
@@ -211,5 +218,5 @@ class Scripts:
             acquire=client.register_script(ACQUIRE),
             extend=client.register_script(EXTEND),
             release=client.register_script(RELEASE),
-            withdraw=client.register_script(WITHDRAW),
+            swap_hand_on=client.register_script(SWAP_HAND_ON),
         )

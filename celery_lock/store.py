@@ -31,6 +31,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from time import monotonic as _monotonic
 from time import time_ns as _time_ns
 from typing import Any, TypeVar
@@ -67,7 +68,18 @@ except ImportError:  # pragma: no cover - hiredis is a dependency; redis-py work
 
 from .exceptions import LockStateError, LockStoreError, LockStoreUnavailableError
 from .keys import RequestKeys
-from .lease import Acquired, Held, Holder, Lease, Outcome, decode_done, decode_lock, encode_done
+from .lease import (
+    Acquired,
+    Done,
+    HandOn,
+    Held,
+    Holder,
+    Lease,
+    Outcome,
+    decode_done,
+    decode_lock,
+    encode_done,
+)  # fmt: skip
 from .scripts import Scripts
 from .sentinel import is_sentinel_url, sentinel_master_client
 
@@ -532,10 +544,7 @@ class LockStore:
                     return key, f"{key} holds a {kind}, expected a {expected[role]} ({role})"
                 if role == "fence":
                     value = _text(self.client.get(key))
-                    try:
-                        number = int(value)
-                    except ValueError:
-                        number = None
+                    number = redis_integer(value)
                     if number is None or not 0 <= number < _FENCE_MAX:
                         return key, f"{key} holds {value[:40]!r}, expected a fence counter"
         except redis.RedisError as exc:
@@ -650,22 +659,39 @@ class LockStore:
             return None
         return bool(reply == 1)
 
-    def withdraw_hand_on(self, lease: Lease) -> bool:
-        """Delete the hand-on marker ``lease``'s release wrote, if the done-marker still is
-        that marker: the replacement it announced was never sent. Return whether it was.
+    def withdraw_hand_on(self, keys: RequestKeys, marker: Done) -> bool:
+        """Delete the hand-on marker whose replacement was never sent (``marker.sent`` false),
+        if the done-marker of ``keys`` still is that marker: a later copy must run the request.
+        Return whether it was.
 
         Raises:
             LockStoreUnavailableError: the store stayed unreachable (or refusing) for every try.
             LockStateError: the done-marker key holds something celery-lock did not write.
             LockStoreError: any other error reply.
         """
-        keys = lease.keys
-        marker = encode_done(lease.holder.task_id, lease.handed_on)
+        assert marker.handed_on_at is not None
+        written = encode_done(marker.task_id, HandOn(marker.handed_on_at, marker.root_id))
+        return self._swap_hand_on("withdraw", keys, [written, ""])
+
+    def confirm_hand_on(self, lease: Lease, done_ttl_ms: int) -> bool:
+        """Mark the hand-on marker ``lease``'s release wrote as sent (``HANDED_ON``), if the
+        done-marker still is that marker: its replacement went out, and a redelivery of the
+        replaced message is acked unrun. Return whether it was.
+
+        Raises: as :meth:`withdraw_hand_on`.
+        """
+        assert lease.handed_on is not None
+        task_id = lease.holder.task_id
+        written = encode_done(task_id, lease.handed_on)
+        sent = encode_done(task_id, replace(lease.handed_on, sent=True))
+        return self._swap_hand_on("confirm", lease.keys, [written, sent, done_ttl_ms])
+
+    def _swap_hand_on(self, what: str, keys: RequestKeys, args: list[Any]) -> bool:
         reply = self._call(
-            "withdraw",
+            what,
             {"done": keys.done},
             keys.lock,
-            lambda: self._evalsha(self.scripts.withdraw, [keys.done], [marker]),
+            lambda: self._evalsha(self.scripts.swap_hand_on, [keys.done], args),
         )
         return bool(reply)
 
@@ -818,6 +844,15 @@ def _parse_run_id(info: Any) -> str | None:
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+_REDIS_INTEGER = re.compile(r"0|-?[1-9][0-9]{0,18}")
+
+
+def redis_integer(text: str) -> int | None:
+    """``text`` as an integer if ``INCR`` reads it as one, else ``None``: ``int()`` would also
+    take ``"1_000"``, ``" 12"`` or ``"007"``, which ``INCR`` refuses."""
+    return int(text) if _REDIS_INTEGER.fullmatch(text) else None
 
 
 def _parse_acquire(reply: Any, lock_name: str) -> Outcome:

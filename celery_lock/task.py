@@ -82,6 +82,7 @@ from .lease import Acquired, Done, HandOn, Held, Holder, Lease, new_token
 from .request import SkippedCopy
 from .runtime import get_runtime
 from .states import skipped_marker, store_skipped
+from .store import LockStore
 
 __all__ = ["DEFERRALS_HEADER", "LockedContext", "LockedTask"]
 
@@ -91,6 +92,8 @@ logger = logging.getLogger(__name__)
 DEFERRALS_HEADER = "celery_lock_deferrals"
 #: Set on a request once a call has taken it over: a call that finds it set is a nested one.
 _ENTERED = "_celery_lock_entered"
+#: Set on a request whose acquire withdrew an unsent hand-on marker of its own message's.
+_WITHDREW = "_celery_lock_withdrew_hand_on"
 #: RabbitMQ's dead-lettering headers, which Celery drops from a message it publishes again
 #: (``celery.app.task.X_DEATH_HEADERS``, Celery 5.6+): RabbitMQ before 4.0.1 takes a copy that
 #: carries them, sent through native delayed delivery, for a dead-letter cycle and drops it.
@@ -496,6 +499,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
             )  # fmt: skip
             return self._run_with_lease(lease, settings, args, kwargs, request, runtime.heartbeat)
         if isinstance(outcome, Done):
+            if (
+                not outcome.sent
+                and outcome.task_id == request.id
+                and outcome.handed_on_at == depth  # not a marker its replacement left
+            ):
+                return self._rerun_unsent_hand_on(
+                    args, kwargs, request, settings, store, keys, outcome
+                )
             if outcome.task_id and outcome.task_id == request.id:
                 # A redelivery of the very message that succeeded, or that handed the request
                 # on (its replacement, at a greater depth, got through): ack it, keep the
@@ -520,6 +531,37 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if settings.on_duplicate == "raise":
             raise DuplicateTaskError(keys.lock, outcome.task_id)
         return self._skip(keys, "running", outcome.task_id, settings)
+
+    def _rerun_unsent_hand_on(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        request: Any,
+        settings: LockSettings,
+        store: LockStore,
+        keys: RequestKeys,
+        marker: Done,
+    ) -> Any:
+        """This very message's run began to hand the request on and ended before its
+        replacement was known to be sent (its pool process killed while sending it): withdraw
+        the marker, and run the request again. A replacement that did go out finds the request
+        held by this run or done by it."""
+        # Once: the next acquire finds no marker of this run's, unless another delivery of this
+        # message wrote one meanwhile, which comes back itself if it dies too.
+        if getattr(request, _WITHDREW, False):
+            return _Ignored(Ignore())
+        setattr(request, _WITHDREW, True)
+        logger.warning(
+            "celery-lock: %s was being handed on by this task %s when its run ended, its "
+            "replacement not known to be sent; running the request again",
+            keys.lock,
+            request.id,
+        )
+        try:
+            store.withdraw_hand_on(keys, marker)
+        except LockStoreError as exc:
+            return self._without_store(exc, settings, keys, args, kwargs)
+        return self._call_locked(args, kwargs, request)
 
     def _without_store(
         self,
@@ -656,38 +698,67 @@ class LockedTask(Task):  # type: ignore[type-arg]
         makes later copies of this request skip, and acks a redelivery of this message, as
         after a success; the replacement, which Celery sends one replacement deeper
         (``replaced_task_nesting``) in the same canvas (root id), gets through, and so does each
-        step of it (a chain's) and each of its own replacements. If sending ``sig`` fails, the
-        marker is withdrawn: no replacement will run the request.
+        step of it (a chain's) and each of its own replacements. The marker is written as not yet
+        sent (``HANDING_ON``) and confirmed once ``sig`` went out: a redelivery of this message
+        that finds it unconfirmed (its run died while sending) runs the request again. If sending
+        ``sig`` fails, the marker is withdrawn: no replacement will run the request.
 
-        Eager, and where this Celery sends a replacement without its depth (before 5.3.5), the
-        lease is released without a marker, and later copies run the replaced body again.
+        Eager, in a direct call (no task id to name), and where this Celery sends a replacement
+        without its depth (before 5.3.5), the lease is released without a marker, and later
+        copies run the replaced body again.
         """
         request = self.request
         lease: Lease | None = getattr(request, "lock_lease", None)
         if lease is None:
             return super().on_replace(sig)
         heartbeat = get_runtime(self.app).heartbeat
-        hand_on = _REPLACEMENTS_KEEP_THEIR_DEPTH and not request.is_eager
+        settings = self.lock_settings()
+        # A direct call has no task id, and its replacement gets one of its own: a marker
+        # naming no id would skip the replacement too.
+        hand_on = _REPLACEMENTS_KEEP_THEIR_DEPTH and not (
+            request.is_eager or request.called_directly
+        )
         if hand_on:
             lease.handed_on = HandOn(request.replaced_task_nesting or 0, _root_id(request))
-        self._release(lease, self.lock_settings(), heartbeat, success=hand_on)
+        # A release left to the heartbeat writes no marker: nothing to confirm or withdraw.
+        marked = self._release(lease, settings, heartbeat, success=hand_on) and hand_on
         # Eager, replace() returns and the body goes on, without the lease: check_lock() must
         # say so.
         request.lock_lost = True
         try:
             return super().on_replace(sig)
         except Ignore:  # sent: the replacement runs the request
+            if marked:
+                self._confirm_hand_on(lease, settings)
             raise
         except BaseException:
-            if hand_on:
+            if marked:
                 self._withdraw_hand_on(lease)
             raise
+
+    def _confirm_hand_on(self, lease: Lease, settings: LockSettings) -> None:
+        """The replacement was sent: say so in the hand-on marker, so that a redelivery of this
+        message is acked unrun instead of running the request again."""
+        try:
+            lease.store.confirm_hand_on(lease, settings.done_ttl_ms)
+        except LockStoreError as exc:
+            logger.warning(
+                "celery-lock: %s stays marked as being handed on by task %s, whose replacement "
+                "was sent (%s): a redelivery of this message would run the request again",
+                lease.keys.done,
+                lease.holder.task_id,
+                exc,
+            )
 
     def _withdraw_hand_on(self, lease: Lease) -> None:
         """The replacement was not sent: delete the hand-on marker ``lease``'s release wrote,
         so that a later copy runs the request."""
+        assert lease.handed_on is not None
+        marker = Done(
+            lease.holder.task_id, lease.handed_on.depth, lease.handed_on.root_id, sent=False
+        )
         try:
-            lease.store.withdraw_hand_on(lease)
+            lease.store.withdraw_hand_on(lease.keys, marker)
         except LockStoreError as exc:
             logger.error(
                 "celery-lock: %s stays marked as handed on by task %s, whose replacement was "
@@ -700,10 +771,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
     def _release(
         self, lease: Lease, settings: LockSettings, heartbeat: Heartbeat, *, success: bool
-    ) -> None:
-        """Stop extending ``lease`` and delete the lock, writing the done-marker on success."""
+    ) -> bool:
+        """Stop extending ``lease`` and delete the lock, writing the done-marker on success.
+        Return whether the store answered now (not: released before, or left to the heartbeat,
+        or given up)."""
         if lease.released:
-            return
+            return False
         try:
             lease.released = True
             # Out of the heartbeat first: an extend that meets the release is not a loss.
@@ -732,7 +805,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                     done_ttl_ms=settings.done_ttl_ms,
                     then=lambda owned: self._released(lease, success=mark, owned=owned),
                 )
-            return
+            return False
         except BaseException:
             # Raised inside, perhaps before the script left: a signal's exception or a greenlet
             # killed (as at the acquire). Extended on by the heartbeat, or let go by it and
@@ -743,6 +816,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 lease.store.release(lease, success=success, done_ttl_ms=settings.done_ttl_ms)
             raise
         self._released(lease, success=success, owned=owned)
+        return True
 
     def _released(self, lease: Lease, *, success: bool, owned: bool | None) -> None:
         """Report a release that got an answer: ``owned``, whether the lease was still held

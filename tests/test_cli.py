@@ -295,6 +295,9 @@ def test_show_reports_a_fence_and_a_done_marker_that_are_not_strings(
     assert text.returncode == 0, text.stderr
     assert "fence     <not an integer: 'seven'>" in text.stdout
     assert "done      storm.next by <not a string: list>" in text.stdout
+    client.set(lease.keys.fence, "1_000")  # an integer to Python, not to INCR
+    info = json.loads(celery_lock_cli(worker_env, "--json", "show", "storm.process:4").stdout)
+    assert info["fence"] == "<not an integer: '1_000'>"
 
 
 @pytest.fixture
@@ -535,10 +538,14 @@ def test_show_tells_a_request_handed_on_by_a_replace_from_one_completed(
     assert (done["storm.process"]["task_id"], "handed_on_at" in done["storm.process"]) == (
         "task-4", False
     )  # fmt: skip
-    assert (done["storm.fetch"]["task_id"], done["storm.fetch"]["handed_on_at"]) == ("task-9", 2)
+    fetched = done["storm.fetch"]
+    assert (fetched["task_id"], fetched["handed_on_at"], fetched["sent"]) == ("task-9", 2, False)
+    shown = celery_lock_cli(worker_env, "show", "storm.process:4").stdout
+    assert "done      storm.fetch being handed on by task-9 at depth 2 (" in shown
+    assert "done      storm.process by task-4 (" in shown
+    assert store.confirm_hand_on(handed, 60_000)  # as once the replacement was sent
     shown = celery_lock_cli(worker_env, "show", "storm.process:4").stdout
     assert "done      storm.fetch handed on by task-9 at depth 2 (" in shown
-    assert "done      storm.process by task-4 (" in shown
 
 
 def test_release_without_a_lease_says_so_without_asking(
@@ -891,6 +898,13 @@ def test_key_prints_the_lock_key_of_a_call_which_show_then_finds(
         worker_env, "key", "storm.process", "--kwargs", '{"request_idx": 7}'
     )
     assert by_keyword.stdout == printed.stdout
+    # Each option in the environment too, named after it, as docs/cli.md says.
+    for name, value in (
+        ("CELERY_LOCK_KEY_ARGS", "[7]"),
+        ("CELERY_LOCK_KEY_KWARGS", '{"request_idx": 7}'),
+    ):
+        from_env = celery_lock_cli({**worker_env, name: value}, "key", "storm.process")
+        assert from_env.stdout == printed.stdout, (name, from_env.stderr)
     shown = celery_lock_cli(worker_env, "show", printed.stdout.strip())
     assert shown.returncode == 0, shown.stderr
     assert "holder    task-7 (storm.process)" in shown.stdout

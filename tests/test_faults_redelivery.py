@@ -441,18 +441,20 @@ def test_eta_duplicate_with_another_task_id_runs_once(
 
 # -- 4. a replaced task's message delivered again --------------------------------------------------
 
-
-@pytest.mark.skipif(
+replacements_keep_their_depth = pytest.mark.skipif(
     not celery_lock.task._REPLACEMENTS_KEEP_THEIR_DEPTH,
     reason="this Celery sends a replacement without its depth (before 5.3.5): no hand-on marker",
 )
+
+
+@replacements_keep_their_depth
 def test_a_replaced_message_delivered_again_after_its_pool_process_died_is_acked_unrun(
     start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
 ) -> None:
     # The pool process dies after sending the replacement, before its message is acked: the
     # message comes back, finds the hand-on marker its own run left, and is acked unrun; the
     # replacement, sent with the same task id, runs the request once.
-    worker = start_worker(**KILLED_POOL_ENV, FAULT_KILL_AFTER_REPLACE="1")
+    worker = start_worker(**KILLED_POOL_ENV, FAULT_KILL_AFTER_REPLACE="sent")
     # A second in the body first: a pool process killed before the pool has read that it took
     # the job leaves the job to no one (billiard marks lost only the jobs a process accepted),
     # and the message is neither acked nor returned while the worker runs. And a replacement
@@ -473,3 +475,25 @@ def test_a_replaced_message_delivered_again_after_its_pool_process_died_is_acked
     assert [entry["task_id"] for entry in fetched] == [result.id]
     assert [task_id for task_id, _ in ran(record)] == [result.id]  # fault.work, once
     assert result.state == "SUCCESS"
+
+
+@replacements_keep_their_depth
+def test_a_replaced_message_whose_run_died_sending_its_replacement_runs_the_request_again(
+    start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
+) -> None:
+    # The pool process dies as it sends the replacement, its hand-on marker written: nothing
+    # went out. The message comes back, finds its own run's marker unconfirmed, withdraws it
+    # and runs the request again: not acked unrun, which would leave no run to complete it.
+    worker = start_worker(**KILLED_POOL_ENV, FAULT_KILL_AFTER_REPLACE="sending")
+    result = producer.send_task("fault.fetch", args=(6, 1.0, 0.2))
+    try:
+        wait_state(result, "SUCCESS", timeout=2 * KILLED_POOL_TTL + TIMEOUT)
+    except BaseException:
+        print(worker.log()[-6000:])  # shown with the failure
+        raise
+    assert result.result == 6
+    assert record.client.get("fault:killed-after-replace") == b"1"
+    assert f"handed on by this task {result.id} when its run ended" in worker.log()
+    fetched = [json.loads(raw) for raw in record.client.lrange("fault:fetched", 0, -1)]
+    assert [entry["task_id"] for entry in fetched] == [result.id, result.id]
+    assert [task_id for task_id, _ in ran(record)] == [result.id]  # fault.work, once

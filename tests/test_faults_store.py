@@ -1152,6 +1152,9 @@ GARBAGE: dict[str, Callable[[redis.Redis, RequestKeys], Any]] = {
     "lock-nested": lambda r, k: r.set(k.lock, "someone 1 " + "[" * 100_000, px=60_000),
     "fence-abc": lambda r, k: r.set(k.fence, "abc"),
     "fence-at-max": lambda r, k: r.set(k.fence, str(2**63 - 1)),
+    # Integers to Python's int(), not to INCR.
+    "fence-underscore": lambda r, k: r.set(k.fence, "1_000"),
+    "fence-leading-zero": lambda r, k: r.set(k.fence, "007"),
     "done-hash": lambda r, k: r.hset(k.done, "task", "x"),
 }
 EXPECTED = {
@@ -1163,6 +1166,8 @@ EXPECTED = {
     "lock-nested": ("lock", "holds something celery-lock did not write"),
     "fence-abc": ("fence", "holds 'abc', expected a fence counter"),
     "fence-at-max": ("fence", "expected a fence counter"),
+    "fence-underscore": ("fence", "holds '1_000', expected a fence counter"),
+    "fence-leading-zero": ("fence", "holds '007', expected a fence counter"),
     "done-hash": ("done", "holds a hash, expected a string"),
 }
 

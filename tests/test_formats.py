@@ -458,9 +458,9 @@ GOLDEN: dict[str, tuple[str, str, str]] = {
         "celery-lock:{formats.by_template:acme:true}:done:formats.by_template",
     ),
     "template/bytes": (
-        "celery-lock:{formats.by_template:acme:4b4d76d09517cf312f14d2fa28fe62d1~565ab468c0d749539a933acfe29c6b45}:lock",
-        "celery-lock:{formats.by_template:acme:4b4d76d09517cf312f14d2fa28fe62d1~565ab468c0d749539a933acfe29c6b45}:fence",
-        "celery-lock:{formats.by_template:acme:4b4d76d09517cf312f14d2fa28fe62d1~565ab468c0d749539a933acfe29c6b45}:done:formats.by_template",
+        "celery-lock:{formats.by_template:acme:4b4d76d09517cf312f14d2fa28fe62d156~869c3dabfa342ccf67b00fc768d8a6bf}:lock",
+        "celery-lock:{formats.by_template:acme:4b4d76d09517cf312f14d2fa28fe62d156~869c3dabfa342ccf67b00fc768d8a6bf}:fence",
+        "celery-lock:{formats.by_template:acme:4b4d76d09517cf312f14d2fa28fe62d156~869c3dabfa342ccf67b00fc768d8a6bf}:done:formats.by_template",
     ),
     "template/date": (
         "celery-lock:{formats.by_template:acme:2026-11-21}:lock",
@@ -678,8 +678,10 @@ def test_a_lease_an_earlier_release_wrote_is_read_as_held_extended_and_released(
     assert store.acquire(keys, new_token(), 30_000, other, 60_000) == Done(task_id="old-task-7")
 
 
-#: A hand-on marker (``self.replace``) as this release writes it: the replaced run's depth, its
-#: root id and its task id, each after a 0xFF byte.
+#: A hand-on marker (``self.replace``) as this release writes it, before the replacement is sent:
+#: the replaced run's depth, its root id and its task id, each after a 0xFF byte; and as it is
+#: once the replacement was sent.
+HANDING_ON_MARKER = b"\xffhanding-on:0\xffgolden-root\xffgolden-task-2"
 HAND_ON_MARKER = b"\xffhanded-on:0\xffgolden-root\xffgolden-task-2"
 
 
@@ -695,14 +697,18 @@ def test_a_hand_on_marker_is_written_and_read_in_the_golden_format(
     lease = Lease(store, keys, token, 30_000, fence.fence, holder)
     lease.handed_on = HandOn(0, "golden-root")
     assert store.release(lease, success=True, done_ttl_ms=60_000)
+    assert lock_redis.get(keys.done) == HANDING_ON_MARKER
+    assert store.confirm_hand_on(lease, 60_000)
     assert lock_redis.get(keys.done) == HAND_ON_MARKER
-    # Written as it is by another process: read as done, but by the replacement.
-    lock_redis.set(keys.done, HAND_ON_MARKER)
+    # Written as they are by another process: read as done, but by the replacement.
     other = Holder("other-task", "formats.by_name", "host", 1)
-    handed_on = Done(task_id="golden-task-2", handed_on_at=0)
-    assert store.acquire(keys, new_token(), 30_000, other, 60_000) == handed_on
-    replacement = store.acquire(keys, new_token(), 30_000, holder, 60_000, 1, "golden-root")
-    assert isinstance(replacement, Acquired)
+    for marker, sent in ((HANDING_ON_MARKER, False), (HAND_ON_MARKER, True)):
+        lock_redis.set(keys.done, marker)
+        handed_on = Done("golden-task-2", handed_on_at=0, root_id="golden-root", sent=sent)
+        assert store.acquire(keys, new_token(), 30_000, other, 60_000) == handed_on
+        replacement = store.acquire(keys, token, 30_000, holder, 60_000, 1, "golden-root")
+        assert isinstance(replacement, Acquired)
+        lock_redis.delete(keys.lock)
 
 
 def test_celery_lock_show_reads_a_lease_and_done_marker_an_earlier_release_wrote(

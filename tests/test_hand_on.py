@@ -3,7 +3,8 @@
 A run that hands its request on releases with a marker naming its replacement depth (Celery's
 ``replaced_task_nesting``), its canvas's root task id and its task id: copies of the request
 skip it as done, except a message of the same root at a greater depth, which only the
-replacement (or a step of it) is.
+replacement (or a step of it) is. The release writes it before the replacement is sent
+(``handing-on``), and it is confirmed (``handed-on``) once it was, or withdrawn.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import (
     HANDED_ON,
+    HANDING_ON,
     Acquired,
     Done,
     HandOn,
@@ -42,14 +44,25 @@ def store(lock_url: str) -> LockStore:
     return LockStore.from_url(lock_url)
 
 
-def hand_on(store: LockStore, holder: Holder, depth: int, root: str = "task-1") -> Lease:
+def hand_on(
+    store: LockStore, holder: Holder, depth: int, root: str = "task-1", *, sent: bool = True
+) -> Lease:
     """Take the request's lease as ``holder`` at ``depth`` of the canvas of ``root`` and hand
-    it on."""
+    it on: release it, and, if ``sent``, confirm the marker as once the replacement was sent."""
     token = new_token()
     fence = granted(store.acquire(KEYS, token, TTL_MS, holder, 60_000, depth, root))
     lease = Lease(store, KEYS, token, TTL_MS, fence, holder, handed_on=HandOn(depth, root))
     assert store.release(lease, success=True, done_ttl_ms=30_000)
+    if sent:
+        assert store.confirm_hand_on(lease, 30_000)
     return lease
+
+
+def unsent(lease: Lease) -> Done:
+    """The marker ``lease``'s release wrote, as the acquire reads it."""
+    assert lease.handed_on is not None
+    depth, root = lease.handed_on.depth, lease.handed_on.root_id
+    return Done(lease.holder.task_id, depth, root, sent=False)
 
 
 def ask(store: LockStore, holder: Holder, depth: int, root: str = "task-1") -> object:
@@ -59,17 +72,34 @@ def ask(store: LockStore, holder: Holder, depth: int, root: str = "task-1") -> o
 def test_a_hand_on_marker_names_the_depth_the_root_and_the_task_id(
     store: LockStore, lock_redis: redis.Redis
 ) -> None:
-    hand_on(store, ORIGINAL, 0)
-    assert lock_redis.get(KEYS.done) == b"\xffhanded-on:0\xfftask-1\xfftask-1"
+    lease = hand_on(store, ORIGINAL, 0, sent=False)
+    assert lock_redis.get(KEYS.done) == b"\xffhanding-on:0\xfftask-1\xfftask-1"
     assert not lock_redis.exists(KEYS.lock)
     assert 0 < lock_redis.pttl(KEYS.done) <= 30_000
+    lock_redis.pexpire(KEYS.done, 1_000)
+    assert store.confirm_hand_on(lease, 30_000)  # the replacement went out
+    assert lock_redis.get(KEYS.done) == b"\xffhanded-on:0\xfftask-1\xfftask-1"
+    assert 1_000 < lock_redis.pttl(KEYS.done) <= 30_000
+    assert not store.confirm_hand_on(lease, 30_000)  # once only
+
+
+@pytest.mark.parametrize("sent", [False, True])
+def test_a_hand_on_marker_lets_the_replacement_through_before_and_after_it_is_confirmed(
+    store: LockStore, sent: bool
+) -> None:
+    # The replacement may run before the replaced run has confirmed that it sent it.
+    hand_on(store, ORIGINAL, 0, sent=sent)
+    handed_on = Done("task-1", handed_on_at=0, root_id="task-1", sent=sent)
+    assert ask(store, DUPLICATE, 0, root="task-2") == handed_on
+    assert ask(store, ORIGINAL, 0) == handed_on
+    assert isinstance(ask(store, ORIGINAL, 1), Acquired)
 
 
 def test_copies_of_a_handed_on_request_are_done_but_its_replacement_gets_through(
     store: LockStore,
 ) -> None:
     hand_on(store, ORIGINAL, 0)
-    handed_on = Done(task_id="task-1", handed_on_at=0)
+    handed_on = Done(task_id="task-1", handed_on_at=0, root_id="task-1")
     assert ask(store, DUPLICATE, 0, root="task-2") == handed_on  # another message
     assert ask(store, DUPLICATE, 1, root="task-2") == handed_on  # another canvas's replacement
     assert ask(store, ORIGINAL, 0) == handed_on  # the replaced message, redelivered
@@ -90,7 +120,7 @@ def test_a_replacement_that_hands_on_again_lets_only_a_deeper_one_through(
     second = hand_on(store, ORIGINAL, 1)
     assert second.fence > first.fence
     assert lock_redis.get(KEYS.done) == b"\xffhanded-on:1\xfftask-1\xfftask-1"
-    assert ask(store, ORIGINAL, 1) == Done(task_id="task-1", handed_on_at=1)
+    assert ask(store, ORIGINAL, 1) == Done(task_id="task-1", handed_on_at=1, root_id="task-1")
     token = new_token()
     last = granted(store.acquire(KEYS, token, TTL_MS, ORIGINAL, 60_000, 2, "task-1"))
     # The last replacement completes the request: a plain done-marker, final for every copy.
@@ -111,7 +141,7 @@ def test_a_replacement_running_holds_the_request_against_a_deeper_copy(
 def test_a_release_whose_reply_was_lost_tells_its_hand_on_marker_by_its_value(
     store: LockStore,
 ) -> None:
-    lease = hand_on(store, ORIGINAL, 0)
+    lease = hand_on(store, ORIGINAL, 0, sent=False)  # tried again within the release call
     # Tried again, the release finds the lock gone and the marker it wrote: released.
     assert store.release(lease, success=True, done_ttl_ms=30_000) is True
 
@@ -119,15 +149,21 @@ def test_a_release_whose_reply_was_lost_tells_its_hand_on_marker_by_its_value(
 def test_a_hand_on_marker_is_withdrawn_only_while_it_is_the_one_written(
     store: LockStore, lock_redis: redis.Redis
 ) -> None:
-    lease = hand_on(store, ORIGINAL, 0)
-    assert store.withdraw_hand_on(lease)
+    lease = hand_on(store, ORIGINAL, 0, sent=False)
+    assert store.withdraw_hand_on(KEYS, unsent(lease))
     assert not lock_redis.exists(KEYS.done)
-    assert not store.withdraw_hand_on(lease)
+    assert not store.withdraw_hand_on(KEYS, unsent(lease))
     # The replacement ran and completed the request first: its marker stays.
-    lease = hand_on(store, ORIGINAL, 0)
+    lease = hand_on(store, ORIGINAL, 0, sent=False)
     lock_redis.set(KEYS.done, b"task-1")
-    assert not store.withdraw_hand_on(lease)
+    assert not store.withdraw_hand_on(KEYS, unsent(lease))
+    assert not store.confirm_hand_on(lease, 30_000)
     assert lock_redis.get(KEYS.done) == b"task-1"
+    # A marker confirmed as sent is never withdrawn.
+    lock_redis.delete(KEYS.done)
+    lease = hand_on(store, ORIGINAL, 0)
+    assert not store.withdraw_hand_on(KEYS, unsent(lease))
+    assert lock_redis.get(KEYS.done) == b"\xffhanded-on:0\xfftask-1\xfftask-1"
 
 
 def test_a_copy_at_depth_0_sends_the_script_what_every_copy_sent_before(
@@ -153,7 +189,8 @@ TASK_IDS = st.text(st.characters(exclude_categories=("Cs",)))
 @given(TASK_IDS, TASK_IDS, st.integers(min_value=0, max_value=10**6))
 def test_a_marker_reads_back_as_it_was_written(task_id: str, root: str, depth: int) -> None:
     assert decode_done(encode_done(task_id)) == Done(task_id)
-    handed_on = encode_done(task_id, HandOn(depth, root))
-    assert decode_done(handed_on) == Done(task_id, handed_on_at=depth)
+    for sent in (False, True):
+        handed_on = encode_done(task_id, HandOn(depth, root, sent))
+        assert decode_done(handed_on) == Done(task_id, depth, root, sent)
     # No task id reads as a hand-on marker: UTF-8 never holds the byte it starts with.
-    assert not task_id.encode().startswith(HANDED_ON)
+    assert not task_id.encode().startswith((HANDED_ON, HANDING_ON))

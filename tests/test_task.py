@@ -19,7 +19,7 @@ import redis
 from celery import Celery, chain, chord, current_task, group
 from celery.app.task import Context
 from celery.contrib.testing.worker import TestWorkController
-from celery.exceptions import Retry, SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import before_task_publish, task_postrun
 from conftest import consecutive, hold, wait_for
@@ -495,6 +495,33 @@ def test_a_handed_on_request_skips_later_copies_and_acks_its_own_redelivery(
 
 
 @replacements_keep_their_depth
+def test_a_hand_on_marker_the_store_could_not_confirm_stays_unsent_and_warns(
+    worker: Any,
+    tasks: dict[str, Any],
+    calls: Calls,
+    lock_redis: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unavailable(*_: Any) -> bool:
+        raise LockStoreUnavailableError("confirm failed: Connection refused", lock_name="x")
+
+    caplog.set_level(logging.WARNING, logger="celery_lock.task")
+    monkeypatch.setattr(LockStore, "confirm_hand_on", unavailable)
+    result = tasks["handoff"].delay(7)
+    assert result.get(timeout=TIMEOUT) == "processed 7"  # the replacement went out, and ran
+    keys: RequestKeys = tasks["handoff"].request_keys((7,), {})
+    marker = b"\xffhanding-on:0\xff%s\xff%s" % (result.id.encode(), result.id.encode())
+    assert lock_redis.get(keys.done) == marker
+    assert "stays marked as being handed on" in caplog.text
+    # Unconfirmed, a redelivery of the replaced message runs the request again, not lost.
+    monkeypatch.undo()
+    tasks["handoff"].apply_async((7,), task_id=result.id)
+    wait_for("the rerun", lambda: calls.count("t.handoff") == 2, TIMEOUT)
+    assert "when its run ended, its replacement not known to be sent" in caplog.text
+
+
+@replacements_keep_their_depth
 def test_a_replacement_that_was_not_sent_leaves_the_request_to_run_again(
     worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
 ) -> None:
@@ -579,6 +606,21 @@ def test_after_an_eager_replace_the_body_knows_it_holds_no_lease(
 ) -> None:
     assert tasks["relay"].apply((7,)).get() == "processed 7; lease handed on"
     assert not lock_redis.exists("celery-lock:{t.relay:7}:lock")
+
+
+def test_a_direct_call_that_replaces_itself_leaves_its_replacement_to_run(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    # A direct call has no task id, and its replacement is sent with one of its own: a hand-on
+    # marker naming no id would have the replacement skipped as done, and the request never run.
+    with pytest.raises(Ignore):
+        tasks["hop"](7, 1)
+    keys: RequestKeys = tasks["hop"].request_keys((7, 0), {})
+    wait_for("the replacement to run", lambda: lock_redis.exists(keys.done), TIMEOUT)
+    assert [c["hops"] for c in calls.seen] == [1, 0]
+    replacement = calls.seen[1]["id"]
+    assert replacement
+    assert lock_redis.get(keys.done) == replacement.encode()
 
 
 def test_replace_hands_the_request_on_in_an_eager_call(

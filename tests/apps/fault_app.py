@@ -22,7 +22,7 @@ import signal
 import time
 from typing import Any
 
-from celery.signals import after_task_publish
+from celery.signals import before_task_publish, task_postrun
 
 from celery_lock import LockedTask
 from celery_lock.signals import lock_deferred, lock_skipped
@@ -75,23 +75,34 @@ def work(self: Any, request_idx: int, seconds: float = 3.0) -> int:
 def fetch(self: Any, request_idx: int, seconds: float = 0.0, work_seconds: float = 0.2) -> Any:
     """Sleeps ``seconds``, then hands its request on to ``fault.work`` (which sleeps
     ``work_seconds``) with ``self.replace``; with ``FAULT_KILL_AFTER_REPLACE`` set, its first
-    run's pool process dies right after the replacement was sent, before its own message is
-    acked (see :func:`_die_once_sent`)."""
+    run's pool process dies as it sends the replacement (``sending``) or after the replacement
+    was sent, before its own message is acked (``sent``; see :func:`_die_once`)."""
     _append(FETCHED_KEY, task_id=self.request.id, request_idx=request_idx)
     time.sleep(seconds)
     return self.replace(work.si(request_idx, work_seconds))
 
 
-@after_task_publish.connect
-def _die_once_sent(sender: str | None = None, **_: Any) -> None:
-    """Under ``FAULT_KILL_AFTER_REPLACE``, SIGKILL the first pool process that sends a
-    ``fault.work`` (``fault.fetch``'s replacement), as the OOM killer would."""
-    if (
-        sender == "fault.work"
-        and os.environ.get("FAULT_KILL_AFTER_REPLACE")
-        and _recorder.client.set("fault:killed-after-replace", 1, nx=True)
+def _die_once(when: str) -> None:
+    """Under ``FAULT_KILL_AFTER_REPLACE=<when>``, SIGKILL this pool process, the first time
+    only, as the OOM killer would."""
+    if os.environ.get("FAULT_KILL_AFTER_REPLACE") == when and _recorder.client.set(
+        "fault:killed-after-replace", 1, nx=True
     ):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+@before_task_publish.connect
+def _die_sending(sender: str | None = None, **_: Any) -> None:
+    """As ``fault.fetch`` sends its replacement, ``fault.work``: nothing went out."""
+    if sender == "fault.work":
+        _die_once("sending")
+
+
+@task_postrun.connect
+def _die_having_sent(sender: Any = None, **_: Any) -> None:
+    """As ``fault.fetch``'s run ends, its replacement sent, before its message is acked."""
+    if getattr(sender, "name", None) == "fault.fetch":
+        _die_once("sent")
 
 
 @app.task(bind=True, name="fault.killed_once", default_retry_delay=0)
