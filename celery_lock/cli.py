@@ -116,47 +116,9 @@ class LockAdmin:
         self.progress_every = progress_every
 
     def parse(self, name: str) -> tuple[str, str | None]:
-        """The lock key ``name`` names, and the done-marker key if ``name`` is one.
-
-        ``name`` is one of the request's keys (its lock, fence or a done-marker key, as logged)
-        or ``<scope>:<request key>``. In the second form both parts are made safe as the
-        library makes them (a long or unsafe request key becomes a readable prefix and a
-        digest), unless they already are: ``shop.process:order 42`` and
-        ``shop.process:order42~<digest>`` name the same lock.
-
-        Raises:
-            click.UsageError: ``name`` is a key under another prefix, or a key under this
-                prefix that is none of a request's keys (read as a request name, either would
-                name a request that does not exist, and every command would find nothing), or
-                names no request at all.
-        """
-        key = _KEY.fullmatch(name)
-        if key is not None:
-            if key["prefix"] != self.prefix:
-                raise click.UsageError(
-                    f"{name} is a key under prefix {key['prefix']!r}, not the configured "
-                    f"{self.prefix!r}: pass --prefix {key['prefix']} (before the subcommand)"
-                )
-            tag = f"{key['prefix']}:{key['tag']}"
-            return f"{tag}:lock", name if key["suffix"].startswith(":done:") else None
-        if name.startswith(f"{self.prefix}:{{"):
-            # A key of this prefix pasted not quite whole (the tag alone, a trailing space,
-            # ":done" without its task): read as <scope>:<request key>, it would name a request
-            # of scope "celery-lock" that does not exist, and every command would find nothing.
-            raise click.BadParameter(
-                f"{name!r} is under prefix {self.prefix!r} but is none of a request's keys: "
-                f"give its '...:lock', '...:fence' or '...:done:<task>' key whole",
-                param_hint="'KEY'",
-            )
-        scope, colon, request_key = name.partition(":")
-        if not colon or not scope:
-            raise click.BadParameter(
-                f"{name!r} names no request: give one of its keys "
-                f"('{self.prefix}:{{<scope>:<request key>}}:lock') or <scope>:<request key>",
-                param_hint="'KEY'",
-            )
-        tag = f"{self.prefix}:{{{stored_key_part(scope)}:{stored_key_part(request_key)}}}"
-        return f"{tag}:lock", None
+        """The lock key ``name`` names, and the done-marker key if ``name`` is one (see
+        :func:`_parse_request_name`)."""
+        return _parse_request_name(self.prefix, name)
 
     def lock_key(self, name: str) -> str:
         """The lock key of the request ``name`` names (see :meth:`parse`)."""
@@ -448,11 +410,59 @@ def _store(app: Celery, options: _Options, app_given: bool = True) -> tuple[str,
         raise click.UsageError(f"{exc} ({hint})") from exc
 
 
-def _admin(ctx: click.Context) -> LockAdmin:
+def _parse_request_name(prefix: str, name: str) -> tuple[str, str | None]:
+    """The lock key ``name`` names under ``prefix``, and the done-marker key if ``name`` is one.
+
+    ``name`` is one of the request's keys (its lock, fence or a done-marker key, as logged)
+    or ``<scope>:<request key>``. In the second form both parts are made safe as the
+    library makes them (a long or unsafe request key becomes a readable prefix and a
+    digest), unless they already are: ``shop.process:order 42`` and
+    ``shop.process:order42~<digest>`` name the same lock.
+
+    Raises:
+        click.UsageError: ``name`` is a key under another prefix, or a key under this
+            prefix that is none of a request's keys (read as a request name, either would
+            name a request that does not exist, and every command would find nothing), or
+            names no request at all.
+    """
+    key = _KEY.fullmatch(name)
+    if key is not None:
+        if key["prefix"] != prefix:
+            raise click.UsageError(
+                f"{name} is a key under prefix {key['prefix']!r}, not the configured "
+                f"{prefix!r}: pass --prefix {key['prefix']} (before the subcommand)"
+            )
+        tag = f"{key['prefix']}:{key['tag']}"
+        return f"{tag}:lock", name if key["suffix"].startswith(":done:") else None
+    if name.startswith(f"{prefix}:{{"):
+        # A key of this prefix pasted not quite whole (the tag alone, a trailing space,
+        # ":done" without its task): read as <scope>:<request key>, it would name a request
+        # of scope "celery-lock" that does not exist, and every command would find nothing.
+        raise click.BadParameter(
+            f"{name!r} is under prefix {prefix!r} but is none of a request's keys: "
+            f"give its '...:lock', '...:fence' or '...:done:<task>' key whole",
+            param_hint="'KEY'",
+        )
+    scope, colon, request_key = name.partition(":")
+    if not colon or not scope:
+        raise click.BadParameter(
+            f"{name!r} names no request: give one of its keys "
+            f"('{prefix}:{{<scope>:<request key>}}:lock') or <scope>:<request key>",
+            param_hint="'KEY'",
+        )
+    tag = f"{prefix}:{{{stored_key_part(scope)}:{stored_key_part(request_key)}}}"
+    return f"{tag}:lock", None
+
+
+def _admin(ctx: click.Context, name: str | None = None) -> LockAdmin:
+    """The lock store the command works on, reached; ``name``, a request's KEY, checked first:
+    one that names no request is a usage error, whether or not the store answers."""
     app: Celery = ctx.find_root().obj.app
     options = ctx.find_object(_Options)
     assert options is not None
     url, prefix, setting = _store(app, options, bool(ctx.find_root().params.get("app")))
+    if name is not None:
+        _parse_request_name(prefix, name)
     try:
         client = client_for_url(url, socket_connect_timeout=5, socket_timeout=10)
         reach(client)  # not PING, which a user allowed only what the scripts need may not send
@@ -548,7 +558,7 @@ def show_command(ctx: click.Context, key: str) -> None:
     """Show one request's lease, fence counter and done-markers.
 
     KEY names the request: one of its keys, as ls lists them, or <scope>:<request key>."""
-    info = _admin(ctx).show(key)
+    info = _admin(ctx, key).show(key)
     lease = info["lease"]
     lines = [f"key       {info['key']}"]
     if lease is None:
@@ -628,7 +638,7 @@ def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> Non
     KEY names the request: one of its keys, as ls lists them, or <scope>:<request key>."""
     if not force:
         raise click.UsageError("release deletes a lease its holder may still need: add --force")
-    admin = _admin(ctx)
+    admin = _admin(ctx, key)
     lock_key = admin.lock_key(key)
     if yes:
         released = admin.release(lock_key) > 0
@@ -670,7 +680,7 @@ def forget_command(ctx: click.Context, key: str, task: str | None) -> None:
     KEY names the request: one of its keys, as ls lists them, or <scope>:<request key>. Given
     a done-marker key, only that task's marker (as with --task): the request's other stages
     stay done."""
-    admin = _admin(ctx)
+    admin = _admin(ctx, key)
     one, deleted = admin.forget(key, task)
     nothing = f"no done-marker at {one}" if one else f"no done-marker of {admin.lock_key(key)}"
     _emit(ctx, {"deleted": deleted}, "\n".join(f"forgot {k}" for k in deleted) or nothing)

@@ -485,6 +485,10 @@ def test_a_name_that_is_no_key_and_no_scope_and_request_key_is_a_usage_error(
     done = celery_lock_cli(worker_env, command, name, *extra)
     assert done.returncode == 2, done.stdout
     assert "names no request" in done.stderr
+    # Checked before the store is reached: the usage error, not "cannot reach the lock store".
+    unreachable = {**worker_env, "STORM_LOCK_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    done = celery_lock_cli(unreachable, command, name, *extra)
+    assert (done.returncode, "names no request" in done.stderr) == (2, True), done.stderr
 
 
 @pytest.mark.parametrize(
