@@ -187,14 +187,23 @@ return 3
 # ARGV[1] - the hand-on marker a release wrote before sending the replacement (see ACQUIRE)
 # ARGV[2] - what takes its place: the marker of a replacement that was sent, or "" to delete it
 #           (the replacement was not sent, and a later copy must run the request)
-# ARGV[3] - with a marker in ARGV[2], the done-marker TTL in milliseconds
-# return 1 if the done-marker still was ARGV[1] (now replaced or deleted), else 0: the
-#        replacement ran and wrote a marker of its own, or the marker expired
+# ARGV[3] - with a marker in ARGV[2], the done-marker TTL in milliseconds; with "", 0, or the
+#           most TTL the marker may have left to be deleted: one written since then may be
+#           its run's, alive and still sending the replacement
+# return 1 if the done-marker still was ARGV[1] (now replaced or deleted), -1 if it was but is
+#        too young to delete, else 0: the replacement ran and wrote a marker of its own, or the
+#        marker expired
+# redis.replicate_commands() first, as in ACQUIRE: PTTL's answer may differ on a replica.
 SWAP_HAND_ON = """
+redis.replicate_commands()
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
     return 0
 end
 if ARGV[2] == '' then
+    local most = tonumber(ARGV[3])
+    if most > 0 and redis.call('PTTL', KEYS[1]) > most then
+        return -1
+    end
     return redis.call('DEL', KEYS[1])
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])

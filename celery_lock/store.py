@@ -659,10 +659,13 @@ class LockStore:
             return None
         return bool(reply == 1)
 
-    def withdraw_hand_on(self, keys: RequestKeys, marker: Done) -> bool:
+    def withdraw_hand_on(
+        self, keys: RequestKeys, marker: Done, *, most_ttl_left_ms: int = 0
+    ) -> bool | None:
         """Delete the hand-on marker whose replacement was never sent (``marker.sent`` false),
         if the done-marker of ``keys`` still is that marker: a later copy must run the request.
-        Return whether it was.
+        Return whether it was; ``None`` where it was, but has more than ``most_ttl_left_ms``
+        (when above 0) of its TTL left: written too recently to be a dead run's.
 
         Raises:
             LockStoreUnavailableError: the store stayed unreachable (or refusing) for every try.
@@ -671,7 +674,8 @@ class LockStore:
         """
         assert marker.handed_on_at is not None
         written = encode_done(marker.task_id, HandOn(marker.handed_on_at, marker.root_id))
-        return self._swap_hand_on("withdraw", keys, [written, ""])
+        reply = self._swap_hand_on("withdraw", keys, [written, "", most_ttl_left_ms])
+        return None if reply < 0 else bool(reply)
 
     def confirm_hand_on(self, lease: Lease, done_ttl_ms: int) -> bool:
         """Mark the hand-on marker ``lease``'s release wrote as sent (``HANDED_ON``), if the
@@ -684,16 +688,16 @@ class LockStore:
         task_id = lease.holder.task_id
         written = encode_done(task_id, lease.handed_on)
         sent = encode_done(task_id, replace(lease.handed_on, sent=True))
-        return self._swap_hand_on("confirm", lease.keys, [written, sent, done_ttl_ms])
+        return bool(self._swap_hand_on("confirm", lease.keys, [written, sent, done_ttl_ms]))
 
-    def _swap_hand_on(self, what: str, keys: RequestKeys, args: list[Any]) -> bool:
-        reply = self._call(
+    def _swap_hand_on(self, what: str, keys: RequestKeys, args: list[Any]) -> int:
+        reply: int = self._call(
             what,
             {"done": keys.done},
             keys.lock,
             lambda: self._evalsha(self.scripts.swap_hand_on, [keys.done], args),
         )
-        return bool(reply)
+        return reply
 
     def extend_all(self, leases: Sequence[Lease]) -> list[bool]:
         """Reset the TTL of every lease in one pipelined round trip; ``True`` where still owned.
@@ -850,9 +854,12 @@ _REDIS_INTEGER = re.compile(r"0|-?[1-9][0-9]{0,18}")
 
 
 def redis_integer(text: str) -> int | None:
-    """``text`` as an integer if ``INCR`` reads it as one, else ``None``: ``int()`` would also
-    take ``"1_000"``, ``" 12"`` or ``"007"``, which ``INCR`` refuses."""
-    return int(text) if _REDIS_INTEGER.fullmatch(text) else None
+    """``text`` as an integer if ``INCR`` reads it as one (a signed 64-bit integer, written
+    plainly), else ``None``: ``int()`` would also take ``"1_000"``, ``" 12"`` or ``"007"``."""
+    if not _REDIS_INTEGER.fullmatch(text):
+        return None
+    number = int(text)
+    return number if -(2**63) <= number < 2**63 else None
 
 
 def _parse_acquire(reply: Any, lock_name: str) -> Outcome:

@@ -545,22 +545,31 @@ class LockedTask(Task):  # type: ignore[type-arg]
         """This very message's run began to hand the request on and ended before its
         replacement was known to be sent (its pool process killed while sending it): withdraw
         the marker, and run the request again. A replacement that did go out finds the request
-        held by this run or done by it."""
+        held by this run or done by it.
+
+        A marker written less than a lease TTL ago may be a live run's, still sending (this
+        delivery a visibility-timeout redelivery of its message, say): this copy is deferred
+        as a redelivery of a running message is, until the run has confirmed it or died.
+        """
         # Once: the next acquire finds no marker of this run's, unless another delivery of this
         # message wrote one meanwhile, which comes back itself if it dies too.
         if getattr(request, _WITHDREW, False):
             return _Ignored(Ignore())
-        setattr(request, _WITHDREW, True)
-        logger.warning(
-            "celery-lock: %s was being handed on by this task %s when its run ended, its "
-            "replacement not known to be sent; running the request again",
-            keys.lock,
-            request.id,
-        )
+        most_ttl_left = max(1, settings.done_ttl_ms - settings.ttl_ms)
         try:
-            store.withdraw_hand_on(keys, marker)
+            withdrawn = store.withdraw_hand_on(keys, marker, most_ttl_left_ms=most_ttl_left)
         except LockStoreError as exc:
             return self._without_store(exc, settings, keys, args, kwargs)
+        if withdrawn is None:
+            self._defer(args, kwargs, keys, "redelivered", request.id, settings.ttl_ms)
+        setattr(request, _WITHDREW, True)
+        if withdrawn:
+            logger.warning(
+                "celery-lock: %s was being handed on by this task %s when its run ended, its "
+                "replacement not known to be sent; running the request again",
+                keys.lock,
+                request.id,
+            )
         return self._call_locked(args, kwargs, request)
 
     def _without_store(
@@ -720,19 +729,23 @@ class LockedTask(Task):  # type: ignore[type-arg]
         )
         if hand_on:
             lease.handed_on = HandOn(request.replaced_task_nesting or 0, _root_id(request))
-        # A release left to the heartbeat writes no marker: nothing to confirm or withdraw.
-        marked = self._release(lease, settings, heartbeat, success=hand_on) and hand_on
-        # Eager, replace() returns and the body goes on, without the lease: check_lock() must
-        # say so.
-        request.lock_lost = True
+        marked = False
         try:
+            # A release left to the heartbeat writes no marker: nothing to confirm.
+            marked = self._release(lease, settings, heartbeat, success=hand_on) and hand_on
+            # Eager, replace() returns and the body goes on, without the lease: check_lock()
+            # must say so.
+            request.lock_lost = True
             return super().on_replace(sig)
         except Ignore:  # sent: the replacement runs the request
             if marked:
                 self._confirm_hand_on(lease, settings)
             raise
         except BaseException:
-            if marked:
+            # Not sent, or not known to be: a soft time limit or a signal's exception may
+            # have come during the release, after it wrote the marker. The task fails and its
+            # message is acked, so no redelivery would withdraw it.
+            if hand_on:
                 self._withdraw_hand_on(lease)
             raise
 

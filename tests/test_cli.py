@@ -295,9 +295,10 @@ def test_show_reports_a_fence_and_a_done_marker_that_are_not_strings(
     assert text.returncode == 0, text.stderr
     assert "fence     <not an integer: 'seven'>" in text.stdout
     assert "done      storm.next by <not a string: list>" in text.stdout
-    client.set(lease.keys.fence, "1_000")  # an integer to Python, not to INCR
-    info = json.loads(celery_lock_cli(worker_env, "--json", "show", "storm.process:4").stdout)
-    assert info["fence"] == "<not an integer: '1_000'>"
+    for text in ("1_000", str(2**63)):  # integers to Python, not to INCR
+        client.set(lease.keys.fence, text)
+        shown = celery_lock_cli(worker_env, "--json", "show", "storm.process:4").stdout
+        assert json.loads(shown)["fence"] == f"<not an integer: '{text}'>"
 
 
 @pytest.fixture

@@ -166,6 +166,17 @@ def test_a_hand_on_marker_is_withdrawn_only_while_it_is_the_one_written(
     assert lock_redis.get(KEYS.done) == b"\xffhanded-on:0\xfftask-1\xfftask-1"
 
 
+def test_an_unsent_hand_on_marker_is_withdrawn_only_once_old_enough_when_asked_so(
+    store: LockStore, lock_redis: redis.Redis
+) -> None:
+    lease = hand_on(store, ORIGINAL, 0, sent=False)  # 30 s to live
+    assert store.withdraw_hand_on(KEYS, unsent(lease), most_ttl_left_ms=20_000) is None
+    assert lock_redis.exists(KEYS.done)  # written under 10 s ago: maybe a live run's
+    lock_redis.pexpire(KEYS.done, 15_000)
+    assert store.withdraw_hand_on(KEYS, unsent(lease), most_ttl_left_ms=20_000) is True
+    assert not lock_redis.exists(KEYS.done)
+
+
 def test_a_copy_at_depth_0_sends_the_script_what_every_copy_sent_before(
     store: LockStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -522,6 +522,63 @@ def test_a_hand_on_marker_the_store_could_not_confirm_stays_unsent_and_warns(
 
 
 @replacements_keep_their_depth
+def test_a_fresh_unsent_hand_on_marker_of_its_own_defers_the_redelivery_until_it_is_old(
+    worker: Any,
+    tasks: dict[str, Any],
+    store: LockStore,
+    calls: Calls,
+    lock_redis: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A marker written less than a lease TTL ago may be a live run's, still sending: a
+    # visibility-timeout redelivery of its message then must not rerun the body beside it.
+    caplog.set_level(logging.WARNING, logger="celery_lock.task")
+    lease = hold(store, tasks["handoff"], 7, "sending-id")
+    lease.handed_on = HandOn(0, "sending-id")
+    assert store.release(lease, success=True, done_ttl_ms=86_400_000)
+    with recording(signals.lock_deferred) as deferred:
+        tasks["handoff"].apply_async((7,), task_id="sending-id")
+        wait_for("the redelivery to be deferred", lambda: deferred, TIMEOUT)
+        assert calls.count("t.handoff") == 0
+        assert {d["reason"] for d in deferred} == {"redelivered"}
+        # Once it is older than a lease TTL, its run is dead: the next try reruns the request.
+        lock_redis.pexpire(lease.keys.done, 60_000)
+        wait_for("the rerun", lambda: calls.count("t.process") == 1, TIMEOUT)
+    assert calls.count("t.handoff") == 1
+    assert "when its run ended, its replacement not known to be sent" in caplog.text
+
+
+@replacements_keep_their_depth
+def test_an_exception_during_the_hand_on_release_withdraws_the_marker_it_wrote(
+    worker: Any,
+    tasks: dict[str, Any],
+    calls: Calls,
+    lock_redis: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A soft time limit read with the release's reply: the marker is written, sig is not sent,
+    # and the task fails, its message acked. Left, the marker would skip every later copy.
+    release = LockStore.release
+
+    def interrupted(self: LockStore, lease: Lease, **options: Any) -> Any:
+        owned = release(self, lease, **options)
+        if lease.handed_on is not None and not calls.count("interrupted"):
+            calls.seen.append({"task": "interrupted"})
+            raise SoftTimeLimitExceeded
+        return owned
+
+    monkeypatch.setattr(LockStore, "release", interrupted)
+    result = tasks["handoff"].delay(7)
+    with pytest.raises(SoftTimeLimitExceeded):
+        result.get(timeout=TIMEOUT)
+    keys: RequestKeys = tasks["handoff"].request_keys((7,), {})
+    assert not lock_redis.exists(keys.done)
+    monkeypatch.undo()
+    assert tasks["handoff"].delay(7).get(timeout=TIMEOUT) == "processed 7"
+    assert (calls.count("t.handoff"), calls.count("t.process")) == (2, 1)
+
+
+@replacements_keep_their_depth
 def test_a_replacement_that_was_not_sent_leaves_the_request_to_run_again(
     worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
 ) -> None:
