@@ -79,7 +79,8 @@ def _check_redis_url(setting: str, url: str) -> None:
         split = urlsplit(url)
         split.port  # noqa: B018 - read to be checked: a port that is not a number raises here
     except ValueError as exc:  # an unclosed "[", a host no IP address, a port not a number
-        raise ConfigurationError(setting, f"malformed URL: {_masked(str(exc), url)}") from None
+        problem = f"malformed URL: {passwords_masked(str(exc), url)}"
+        raise ConfigurationError(setting, problem) from None
     scheme = split.scheme
     if scheme not in _REDIS_SCHEMES:
         raise ConfigurationError(
@@ -104,14 +105,20 @@ def _check_redis_url(setting: str, url: str) -> None:
 
 
 _USERINFO = re.compile(r"^[^:/?#]*://([^/?#]*)@")
+_PASSWORD_PARAM = re.compile(r"[?&]password=([^&#]*)")
 
 
-def _masked(text: str, url: str) -> str:
-    """``text`` (an error about ``url``) without the URL's password: urllib quotes the part of
-    a URL it rejects, user and password included."""
-    found = _USERINFO.match(url)
-    password = found.group(1).partition(":")[2] if found else ""
-    return text.replace(password, "***") if password else text
+def passwords_masked(text: str, url: str) -> str:
+    """``text`` (an error about ``url``) with each password ``url`` holds masked, the one of its
+    user part and any ``password=`` query argument (redis-py takes both): urllib quotes the
+    part of a URL it rejects, user and password included."""
+    found = [match.group(1) for match in _PASSWORD_PARAM.finditer(url)]
+    user = _USERINFO.match(url)
+    if user:
+        found.append(user.group(1).partition(":")[2])
+    for password in filter(None, found):
+        text = text.replace(password, "***")
+    return text
 
 
 @lru_cache(maxsize=64)

@@ -47,6 +47,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import celery_lock
+from celery_lock.config import passwords_masked
 from celery_lock.states import SKIPPED
 from celery_lock.testing import CeleryWorker, RedisServer
 
@@ -306,17 +307,6 @@ _NETLOC = re.compile(r"^(?P<scheme>[^:/?#]*://)(?P<netloc>[^/?#]*)")
 _PASSWORD_PARAM = re.compile(r"(?P<name>[?&]password=)(?P<value>[^&#]*)")
 
 
-def _passwords(url: str) -> list[str]:
-    """The passwords written in ``url``: in its netloc and in ``password=`` parameters."""
-    found = [match["value"] for match in _PASSWORD_PARAM.finditer(url)]
-    match = _NETLOC.match(url)
-    if match:
-        userinfo, at, _ = match["netloc"].rpartition("@")
-        if at and ":" in userinfo:
-            found.append(userinfo.partition(":")[2])
-    return [password for password in found if password]
-
-
 def display_url(url: str) -> str:
     """``url`` with its passwords masked.
 
@@ -343,11 +333,7 @@ def ping(url: str, timeout: float = 1.0) -> str | None:
             retry=Retry(NoBackoff(), 0),
         )
     except ValueError as exc:
-        # urllib may quote the netloc it rejects, password and all
-        why = str(exc)
-        for password in _passwords(url):
-            why = why.replace(password, "***")
-        return f"invalid URL: {why}"
+        return f"invalid URL: {passwords_masked(str(exc), url)}"
     try:
         client.ping()
     except (redis.RedisError, OSError) as exc:
