@@ -74,8 +74,9 @@ def lock_store_url(app: Celery, settings: LockSettings) -> str:
 
 
 #: What kombu reads from any broker URL's query for its own connection, none of which redis-py
-#: takes (it refuses an argument it does not know): kombu's Redis transport ignores all but the
-#: connect timeout, which it passes on as redis-py's socket_connect_timeout.
+#: takes (it refuses an argument it does not know). The connect timeout is kombu's Connection's
+#: (its Redis transport takes socket_connect_timeout from the transport options instead): the
+#: lock store reads it as redis-py's socket_connect_timeout, the nearest it has.
 _KOMBU_URL_ARGUMENTS: Mapping[str, str | None] = {
     "connect_timeout": "socket_connect_timeout",
     "heartbeat": None,
