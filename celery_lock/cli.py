@@ -579,7 +579,8 @@ def _how_done(marker: dict[str, Any]) -> str:
     if "handed_on_at" in marker:
         how = "handed on" if marker["sent"] else "being handed on"
         return f"{how} by {marker['task_id']} at depth {marker['handed_on_at']}"
-    return f"by {marker['task_id']}"
+    # A direct call (task(...)) has no task id: its marker names none.
+    return f"by {marker['task_id'] or 'a direct call'}"
 
 
 @lock.command(name="key")

@@ -551,6 +551,9 @@ def test_show_tells_a_request_handed_on_by_a_replace_from_one_completed(
     assert store.confirm_hand_on(handed, 60_000)  # as once the replacement was sent
     shown = celery_lock_cli(worker_env, "show", "storm.process:4").stdout
     assert "done      storm.fetch handed on by task-9 at depth 2 (" in shown
+    store.client.set(handed.keys.done, "", px=60_000)  # as a direct call's run writes it
+    shown = celery_lock_cli(worker_env, "show", "storm.process:4").stdout
+    assert "done      storm.fetch by a direct call (" in shown
 
 
 def test_release_without_a_lease_says_so_without_asking(
