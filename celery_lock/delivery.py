@@ -1,9 +1,9 @@
 """How a deferred copy is published again: as its message came, where its broker needs it.
 
 ``LockedTask`` defers a copy by publishing it again with a countdown (Celery's
-``signature_from_request``, as ``retry`` does). Two things that message must keep are not in
-the request Celery copies from: the serializer the message came in, and, on RabbitMQ's native
-delayed delivery, the queue it came from.
+``signature_from_request``, as ``retry`` does). Three things that message must keep are not in
+the request Celery copies from: the serializer and the compression the message came in, and, on
+RabbitMQ's native delayed delivery, the queue it came from.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def copy_delivery(app: Celery, request: Any, countdown: float) -> tuple[float, d
     """The countdown and the publish options of a deferred copy of ``request``.
 
     The serializer is the message's (``apply_async(serializer="pickle")``), not the task's: an
-    argument the task's serializer cannot carry would fail every publish of the copy. Where
+    argument the task's serializer cannot carry would fail every publish of the copy. So is the
+    compression (``apply_async(compression="zlib")``): uncompressed, a copy may be over the
+    broker's size limit, and RabbitMQ refuses it after the publish returned, the original
+    acked: the request lost. Where
     Celery sends countdowns through RabbitMQ's native delayed delivery (Celery 5.5+, quorum
     queues), which routes a delay by whole seconds and refuses 0, the countdown is rounded up
     to whole seconds, at least 1; and the copy names the queue it came from, since that
@@ -47,6 +50,10 @@ def copy_delivery(app: Celery, request: Any, countdown: float) -> tuple[float, d
     serializer = _serializer_of(request)
     if serializer is not None:
         options["serializer"] = serializer
+    # The message's compression header, a content type, which kombu takes as a name too.
+    compression = getattr(request, "compression", None)
+    if compression:
+        options["compression"] = compression
     if _native_delayed_delivery(app):
         countdown = float(max(1, math.ceil(countdown)))
         queue = _queue_delivered_from(app, request.delivery_info or {})

@@ -1,5 +1,5 @@
-"""A deferred copy is published again with the serializer its message came in (an in-process
-worker that accepts pickle as well as JSON)."""
+"""A deferred copy is published again with the serializer and the compression its message came in
+(an in-process worker that accepts pickle as well as JSON)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from conftest import hold, wait_for
+from kombu import Producer, compression
 from recording import recording
 
 from celery_lock import LockedTask, signals
@@ -77,3 +78,36 @@ def test_a_pickled_message_whose_body_retries_is_retried_as_pickle(
     Celery rejected it without requeue, so the request was never done nor handed on."""
     result = restock.apply_async(({"hat", "socks"},), serializer="pickle")
     assert result.get(timeout=TIMEOUT) == "set"
+
+
+def test_a_compressed_message_is_deferred_and_retried_compressed(
+    reserve: Any,
+    restock: Any,
+    celery_worker: Any,
+    store: LockStore,
+    deferred: list[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Celery copies no compression into a retry, nor into a deferred copy: a large message
+    sent compressed went out uncompressed, over a broker's size limit, and RabbitMQ refuses
+    such a publish after it returned, with the original message acked."""
+    sent: list[tuple[str, str | None]] = []
+    publish = Producer.publish
+
+    def spied(self: Producer, body: Any, *args: Any, **kwargs: Any) -> Any:
+        task = (kwargs.get("headers") or {}).get("task")
+        if task in (reserve.name, restock.name):
+            given = kwargs.get("compression")
+            sent.append((task, given and compression.get_encoder(given)[1]))
+        return publish(self, body, *args, **kwargs)
+
+    monkeypatch.setattr(Producer, "publish", spied)
+    lease = hold(store, reserve, {"hat", "socks"}, "other-stage-id", "s.other")
+    result = reserve.apply_async(({"hat", "socks"},), serializer="pickle", compression="zlib")
+    wait_for("the copy to be deferred", lambda: deferred, TIMEOUT)
+    store.release(lease, success=False, done_ttl_ms=60_000)
+    assert result.get(timeout=TIMEOUT) == "set"
+    retried = restock.apply_async(({"hat", "socks"},), serializer="pickle", compression="zlib")
+    assert retried.get(timeout=TIMEOUT) == "set"
+    gzip = "application/x-gzip"
+    assert sent == [(reserve.name, gzip)] * 2 + [(restock.name, gzip)] * 2
