@@ -54,7 +54,7 @@ from celery import Signature, Task
 from celery._state import _task_stack  # type: ignore[attr-defined]
 from celery.app.amqp import AMQP
 from celery.app.task import Context
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 try:
     from celery.app.trace import (  # type: ignore[attr-defined]  # not in celery-types
@@ -482,7 +482,17 @@ class LockedTask(Task):  # type: ignore[type-arg]
             )  # fmt: skip
         except LockStoreError as exc:
             return self._without_store(exc, settings, keys, args, kwargs)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, SoftTimeLimitExceeded) and not (
+                request.is_eager or request.called_directly
+            ):
+                # The soft limit came before the body began (a hanging store takes two socket
+                # timeouts, about 10 s, to give up): failed, the message would be acked unrun.
+                # Given back, it comes again; without a release, which against that store would
+                # run into the hard limit, whose kill acks it too. A grant this try may have
+                # made holds the request a TTL, and the message, back, waits for it as a
+                # redelivery of its own.
+                raise Reject(exc, requeue=True) from exc
             # Raised inside the round trip, perhaps after the script ran: a signal's exception
             # (SIGTERM's SystemExit in a pool process, a soft time limit) or, under gevent or
             # eventlet, a kill or a hard time limit. A grant no heartbeat knows would be held

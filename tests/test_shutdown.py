@@ -199,6 +199,31 @@ def test_a_time_limit_fails_the_task_and_releases_without_a_done_marker(
     assert len(started_fences(records)) == 1
 
 
+def test_a_soft_time_limit_during_the_acquire_gives_the_message_back_unrun(
+    start_worker: Any, producer: Celery, records: redis.Redis
+) -> None:
+    """A lock store that hangs takes two socket timeouts (about 10 s) to give the acquire up:
+    a soft time limit below that fired in the acquire, and the task failed before its body
+    began, its message acked. Given back, the message runs once the store answers again."""
+    with RedisServer() as store:
+        worker = start_worker(STORM_LOCK_URL=store.url)
+        store.pause()
+        try:
+            result = producer.send_task("storm.process", args=(1,), soft_time_limit=3)
+            # The limit fires in the first delivery's acquire; the store answers again a
+            # second into the next one's, well before its limit.
+            time.sleep(4)
+            assert state(producer, result.id) != "FAILURE"
+        finally:
+            store.resume()
+        try:
+            wait_for("SUCCESS", lambda: state(producer, result.id) == "SUCCESS", 40)
+        except BaseException:
+            print(worker.log()[-6000:])  # shown with the failure
+            raise
+    assert len(finished_runs(records)) == 1
+
+
 @pytest.mark.skipif(not hasattr(Task, "acks_on_timeout"), reason="task_acks_on_timeout: 5.7+")
 def test_a_message_requeued_after_a_hard_time_limit_runs_again_at_once(
     start_worker: Any, producer: Celery, records: redis.Redis, locks: redis.Redis
