@@ -215,6 +215,10 @@ def _as_received(value: Any, escape_tags: bool = False) -> Any:
         }
         if escape_tags and len(received) == 1 and next(iter(received)) in _TAGS:
             return {"__dict__": received}
+        if received.keys() == _KOMBU_ENVELOPE:
+            decoded = _kombu_decoded(received)
+            if decoded is not received:
+                return _as_received(decoded, escape_tags)
         return received
     if isinstance(value, (list, tuple)):
         return [v if type(v) in _AS_SENT else _as_received(v, escape_tags) for v in value]
@@ -239,7 +243,26 @@ def _as_received(value: Any, escape_tags: bool = False) -> Any:
             # subclass), its zone a fixed UTC offset (``{when!r}``, ``{when:%Z}`` read alike),
             # without the fold of a wall time the clock repeats (``fromtimestamp`` gives it).
             return clock.fromisoformat(clock.isoformat(value))
+    if isinstance(value, uuid.UUID) and type(value) is not uuid.UUID:
+        return uuid.UUID(int=value.int)  # kombu's JSON sends its hex, read back as a UUID
     return value
+
+
+#: The keys of the object kombu's JSON writes for a type JSON lacks (a Decimal, a UUID), and
+#: reads back as that type wherever it finds them, in a dict of the caller's too.
+_KOMBU_ENVELOPE = frozenset({"__type__", "__value__"})
+
+
+def _kombu_decoded(envelope: dict[str, Any]) -> Any:
+    """A dict of kombu's envelope's keys as a worker receives it through kombu's JSON: the
+    type it names, where kombu knows that type (else kombu refuses the message, and the dict is
+    kept, as another serializer carries it)."""
+    try:
+        from kombu.utils.json import object_hook  # noqa: PLC0415 - only for such a dict
+
+        return object_hook(envelope)
+    except (ImportError, ValueError, TypeError, decimal.InvalidOperation):
+        return envelope
 
 
 #: What :func:`_json_hook` returns for a value without the hook.
@@ -370,6 +393,10 @@ def _render(value: Any) -> str | bytes:
         return int.__repr__(value)
     if isinstance(value, float):
         return float.__repr__(value)
+    if isinstance(value, dict) and value.keys() == _KOMBU_ENVELOPE:
+        decoded = _kombu_decoded(value)
+        if decoded is not value:  # a Decimal, a UUID, ... on a worker reading kombu's JSON
+            return _render(_as_received(decoded))
     reduced = _NO_HOOK if isinstance(value, _CONTAINERS) else _json_hook(value)
     if reduced is not _NO_HOOK:
         # As the worker receives it: what the hook returns, read by this same table.
@@ -389,9 +416,16 @@ def _render(value: Any) -> str | bytes:
             if _ADDRESS.search(text):
                 raise TypeError(f"{text[:60]} holds an object whose text is its address") from None
             return text
+    if isinstance(value, _RECEIVED_AS_THEIR_BASE) and kind not in _RECEIVED_AS_THEIR_BASE:
+        # A subclass's own __str__ is lost on the way: the worker keys the base type's text.
+        return _render(_as_received(value))
     if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:
         raise TypeError(f"a {kind.__name__} has no text of its own (give it __str__)")
     return _named(str(value))
+
+
+#: Types whose subclasses a worker receives as the type itself (see :func:`_as_received`).
+_RECEIVED_AS_THEIR_BASE = (*_CLOCKS, uuid.UUID)
 
 
 def _spec_fields(format_spec: str) -> list[str]:

@@ -1347,6 +1347,47 @@ def test_a_template_conversion_keys_like_the_value_the_worker_receives(
     assert derive.request_key(sent, {}) == derive.request_key(_as_worker_receives(sent), {})
 
 
+class _HexId(uuid.UUID):
+    """A UUID whose own text is its hex: kombu's JSON sends a plain UUID."""
+
+    def __str__(self) -> str:
+        return self.hex
+
+
+class _DayFirst(datetime.date):
+    """A date whose own text is day first: kombu's JSON sends its ISO text, read as a date."""
+
+    def __str__(self) -> str:
+        return self.strftime("%d/%m/%Y")
+
+
+@pytest.mark.parametrize(
+    "spec", [None, "cart", "{cart}:{note}"], ids=["digest", "name", "template"]
+)
+@pytest.mark.parametrize(
+    "cart",
+    [
+        _HexId(int=5),
+        _DayFirst(2026, 11, 21),
+        {"__type__": "decimal", "__value__": "1.5"},  # a caller's dict, read as a Decimal
+        [{"__type__": "uuid", "__value__": {"hex": "0" * 32}}],
+    ],
+    ids=["uuid-subclass", "date-subclass", "kombu-envelope", "nested-kombu-envelope"],
+)
+def test_a_value_kombu_sends_as_another_type_keys_as_the_worker_receives_it(
+    spec: str | None, cart: Any
+) -> None:
+    derive = _cart_deriver(spec)
+    sent = (cart, "n")
+    assert derive.request_key(sent, {}) == derive.request_key(_as_worker_receives(sent), {})
+
+
+def test_a_dict_shaped_like_kombu_s_envelope_of_no_type_it_knows_stays_a_dict() -> None:
+    # kombu refuses such a message; another serializer carries the dict as it is.
+    for unknown in ({"__type__": "nope", "__value__": 1}, {"__type__": "uuid", "__value__": 1}):
+        assert _cart_deriver("cart").request_key((unknown,), {}).startswith("__type__:")
+
+
 def test_an_item_template_the_publish_check_accepts_is_one_the_worker_accepts() -> None:
     # str.format looks "{cart[2]}" up as the int 2; the worker's dict has the key "2".
     derive = _cart_deriver("{cart[2]}")
