@@ -70,7 +70,6 @@ from .exceptions import LockStateError, LockStoreError, LockStoreUnavailableErro
 from .keys import RequestKeys
 from .lease import (
     Acquired,
-    Done,
     HandOn,
     Held,
     Holder,
@@ -660,10 +659,11 @@ class LockStore:
         return bool(reply == 1)
 
     def withdraw_hand_on(
-        self, keys: RequestKeys, marker: Done, *, most_ttl_left_ms: int = 0
+        self, keys: RequestKeys, task_id: str, hand_on: HandOn, *, most_ttl_left_ms: int = 0
     ) -> bool | None:
-        """Delete the hand-on marker whose replacement was never sent (``marker.sent`` false),
-        if the done-marker of ``keys`` still is that marker: a later copy must run the request.
+        """Delete the hand-on marker task ``task_id`` wrote as it handed the request on
+        (``hand_on``), not yet sent, if the done-marker of ``keys`` still is that marker: a later
+        copy must run the request.
         Return whether it was; ``None`` where it was, but has more than ``most_ttl_left_ms``
         (when above 0) of its TTL left: written too recently to be a dead run's.
 
@@ -672,8 +672,7 @@ class LockStore:
             LockStateError: the done-marker key holds something celery-lock did not write.
             LockStoreError: any other error reply.
         """
-        assert marker.handed_on_at is not None
-        written = encode_done(marker.task_id, HandOn(marker.handed_on_at, marker.root_id))
+        written = encode_done(task_id, replace(hand_on, sent=False))
         reply = self._swap_hand_on("withdraw", keys, [written, "", most_ttl_left_ms])
         return None if reply < 0 else bool(reply)
 

@@ -565,9 +565,13 @@ class LockedTask(Task):  # type: ignore[type-arg]
         # message wrote one meanwhile, which comes back itself if it dies too.
         if getattr(request, _WITHDREW, False):
             return _Ignored(Ignore())
+        assert marker.handed_on_at is not None
+        hand_on = HandOn(marker.handed_on_at, marker.root_id)
         most_ttl_left = max(1, settings.done_ttl_ms - settings.ttl_ms)
         try:
-            withdrawn = store.withdraw_hand_on(keys, marker, most_ttl_left_ms=most_ttl_left)
+            withdrawn = store.withdraw_hand_on(
+                keys, request.id, hand_on, most_ttl_left_ms=most_ttl_left
+            )
         except LockStoreError as exc:
             return self._without_store(exc, settings, keys, args, kwargs)
         if withdrawn is None:
@@ -777,11 +781,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
         """The replacement was not sent: delete the hand-on marker ``lease``'s release wrote,
         so that a later copy runs the request."""
         assert lease.handed_on is not None
-        marker = Done(
-            lease.holder.task_id, lease.handed_on.depth, lease.handed_on.root_id, sent=False
-        )
         try:
-            lease.store.withdraw_hand_on(lease.keys, marker)
+            lease.store.withdraw_hand_on(lease.keys, lease.holder.task_id, lease.handed_on)
         except LockStoreError as exc:
             logger.error(
                 "celery-lock: %s stays marked as handed on by task %s, whose replacement was "

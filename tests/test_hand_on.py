@@ -58,11 +58,10 @@ def hand_on(
     return lease
 
 
-def unsent(lease: Lease) -> Done:
-    """The marker ``lease``'s release wrote, as the acquire reads it."""
+def withdraw(lease: Lease, **options: int) -> bool | None:
+    """Withdraw the unsent marker ``lease``'s release wrote."""
     assert lease.handed_on is not None
-    depth, root = lease.handed_on.depth, lease.handed_on.root_id
-    return Done(lease.holder.task_id, depth, root, sent=False)
+    return lease.store.withdraw_hand_on(KEYS, lease.holder.task_id, lease.handed_on, **options)
 
 
 def ask(store: LockStore, holder: Holder, depth: int, root: str = "task-1") -> object:
@@ -150,19 +149,19 @@ def test_a_hand_on_marker_is_withdrawn_only_while_it_is_the_one_written(
     store: LockStore, lock_redis: redis.Redis
 ) -> None:
     lease = hand_on(store, ORIGINAL, 0, sent=False)
-    assert store.withdraw_hand_on(KEYS, unsent(lease))
+    assert withdraw(lease)
     assert not lock_redis.exists(KEYS.done)
-    assert not store.withdraw_hand_on(KEYS, unsent(lease))
+    assert not withdraw(lease)
     # The replacement ran and completed the request first: its marker stays.
     lease = hand_on(store, ORIGINAL, 0, sent=False)
     lock_redis.set(KEYS.done, b"task-1")
-    assert not store.withdraw_hand_on(KEYS, unsent(lease))
+    assert not withdraw(lease)
     assert not store.confirm_hand_on(lease, 30_000)
     assert lock_redis.get(KEYS.done) == b"task-1"
     # A marker confirmed as sent is never withdrawn.
     lock_redis.delete(KEYS.done)
     lease = hand_on(store, ORIGINAL, 0)
-    assert not store.withdraw_hand_on(KEYS, unsent(lease))
+    assert not withdraw(lease)
     assert lock_redis.get(KEYS.done) == b"\xffhanded-on:0\xfftask-1\xfftask-1"
 
 
@@ -170,10 +169,10 @@ def test_an_unsent_hand_on_marker_is_withdrawn_only_once_old_enough_when_asked_s
     store: LockStore, lock_redis: redis.Redis
 ) -> None:
     lease = hand_on(store, ORIGINAL, 0, sent=False)  # 30 s to live
-    assert store.withdraw_hand_on(KEYS, unsent(lease), most_ttl_left_ms=20_000) is None
+    assert withdraw(lease, most_ttl_left_ms=20_000) is None
     assert lock_redis.exists(KEYS.done)  # written under 10 s ago: maybe a live run's
     lock_redis.pexpire(KEYS.done, 15_000)
-    assert store.withdraw_hand_on(KEYS, unsent(lease), most_ttl_left_ms=20_000) is True
+    assert withdraw(lease, most_ttl_left_ms=20_000) is True
     assert not lock_redis.exists(KEYS.done)
 
 
