@@ -193,6 +193,10 @@ return 3
 # return 1 if the done-marker still was ARGV[1] (now replaced or deleted), -1 if it was but is
 #        too young to delete, else 0: the replacement ran and wrote a marker of its own, or the
 #        marker expired
+# The confirmation DELs the marker before it SETs the new one: a server out of memory under
+# `maxmemory-policy noeviction` refuses a script's first write if that is one that may add
+# memory (SET) but lets later ones through, so the marker of a replacement already sent is
+# confirmed even then (as RELEASE, whose first write is a DEL, writes it).
 # redis.replicate_commands() first, as in ACQUIRE: PTTL's answer may differ on a replica.
 SWAP_HAND_ON = """
 redis.replicate_commands()
@@ -206,6 +210,7 @@ if ARGV[2] == '' then
     end
     return redis.call('DEL', KEYS[1])
 end
+redis.call('DEL', KEYS[1])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1
 """

@@ -32,6 +32,7 @@ from celery_lock.lease import (
     new_token,
 )
 from celery_lock.store import LockStore
+from celery_lock.testing import RedisServer
 
 ORIGINAL = Holder(task_id="task-1", task_name="shop.fetch", host="host-a", pid=101)
 DUPLICATE = Holder(task_id="task-2", task_name="shop.fetch", host="host-b", pid=202)
@@ -174,6 +175,26 @@ def test_an_unsent_hand_on_marker_is_withdrawn_only_once_old_enough_when_asked_s
     lock_redis.pexpire(KEYS.done, 15_000)
     assert withdraw(lease, most_ttl_left_ms=20_000) is True
     assert not lock_redis.exists(KEYS.done)
+
+
+def test_a_hand_on_marker_is_confirmed_by_a_server_out_of_memory() -> None:
+    """Under ``maxmemory-policy noeviction`` a server full up refuses a script's first write if
+    it may add memory: the replacement was sent, and a marker left ``handing-on`` would have a
+    redelivery of the replaced message run the request again."""
+    with RedisServer(extra_args=["--maxmemory-policy", "noeviction"]) as server:
+        store = LockStore.from_url(server.url)
+        client = redis.Redis.from_url(server.url)
+        try:
+            lease = hand_on(store, ORIGINAL, 0, sent=False)
+            client.mset({f"ballast:{i}": "x" * 1_000 for i in range(2_000)})
+            client.config_set("maxmemory", client.info("memory")["used_memory"] - 500_000)
+            with pytest.raises(redis.ResponseError, match="maxmemory"):
+                client.set("another", "key")
+            assert store.confirm_hand_on(lease, 30_000)
+            assert client.get(KEYS.done) == b"\xffhanded-on:0\xfftask-1\xfftask-1"
+        finally:
+            store.close()
+            client.close()
 
 
 def test_a_copy_at_depth_0_sends_the_script_what_every_copy_sent_before(
