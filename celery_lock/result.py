@@ -19,7 +19,7 @@ import redis
 from celery import Celery
 from celery.backends.rpc import RPCBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from celery.result import AsyncResult
+from celery.result import AsyncResult, assert_will_not_block
 
 from .config import LockSettings
 from .exceptions import ConfigurationError, LockStoreUnavailableError, ResultUnavailableError
@@ -46,6 +46,7 @@ def follow(
     propagate: bool = True,
     max_hops: int = 8,
     grace: float = 5.0,
+    disable_sync_subtasks: bool = True,
 ) -> Any:
     """The return value of ``result``, or of the task its skipped copy deferred to.
 
@@ -56,10 +57,13 @@ def follow(
         propagate: re-raise the task's exception, as ``AsyncResult.get`` does.
         max_hops: how many skipped copies to follow before giving up.
         grace: seconds a finished holder's result may take to reach the backend.
+        disable_sync_subtasks: refuse to wait inside a task, as ``AsyncResult.get`` does
+            (``False``: wait there too, at the risk Celery's docs describe).
 
     Raises:
         TypeError: ``result`` is not one ``AsyncResult`` (a group's ``GroupResult``: follow each
             of its ``results``).
+        RuntimeError: called inside a task (with ``disable_sync_subtasks``), before any wait.
         celery.exceptions.TimeoutError: nothing was ready within ``timeout``.
         celery_lock.ConfigurationError: the copy was skipped, and the result backend is
             ``rpc://``, from which a holder's result cannot be had reliably.
@@ -83,6 +87,10 @@ def follow(
         # A call made with ignore_result stores no state to wait for, skipped or not:
         # AsyncResult.get returns None for it at once, and so does follow.
         return None
+    if disable_sync_subtasks:
+        # At once, as AsyncResult.get checks: the polls below would otherwise hold a pool
+        # process for the holder's whole run before the last get() refused.
+        assert_will_not_block()
     deadline = None if timeout is None else time.monotonic() + timeout
     current = result
     holding: _Holding | None = None
@@ -110,7 +118,12 @@ def follow(
                 raise CeleryTimeoutError(f"task {current.id} not ready after {timeout}s")
             time.sleep(interval)
         if state != SKIPPED:
-            return current.get(timeout=_left(deadline), interval=interval, propagate=propagate)
+            return current.get(
+                timeout=_left(deadline),
+                interval=interval,
+                propagate=propagate,
+                disable_sync_subtasks=disable_sync_subtasks,
+            )
         skipped = meta.get("result") or {}
         holder = skipped.get("holder")
         if not holder or holder == current.id:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery._state import _set_task_join_will_block
 from celery.backends.base import KeyValueStoreBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, GroupResult
@@ -122,6 +123,21 @@ def test_follow_returns_an_eager_call_s_value_at_once(celery_app: Celery) -> Non
     assert follow(eager.apply((7,)), timeout=TIMEOUT) == 14  # an EagerResult: ready as made
     skipped = eager.apply((7,))  # done: state IGNORED, which is no ready state
     assert follow(skipped, timeout=1) == skipped.get() is None  # as get(): no waiting
+
+
+def test_follow_inside_a_task_refuses_before_it_waits(celery_app: Celery) -> None:
+    # It polled the holder first and refused only in its last get(): a pool process held for
+    # the holder's whole run, or a TimeoutError where the docs promise Celery's RuntimeError.
+    celery_app.backend.store_result("busy-id", {"pid": 1}, STARTED)
+    copy = skipped_copy(celery_app, "busy-id")
+    _set_task_join_will_block(True)  # as in a worker's pool process
+    try:
+        with pytest.raises(RuntimeError, match="Never call result.get"):
+            follow(copy, timeout=3, interval=0.05)  # was: a TimeoutError after 3 s
+        with pytest.raises(CeleryTimeoutError):  # allowed to wait, it does
+            follow(copy, timeout=0.3, interval=0.05, disable_sync_subtasks=False)
+    finally:
+        _set_task_join_will_block(False)
 
 
 def test_follow_gives_up_on_a_started_holder_that_completed_but_stored_no_result(
