@@ -55,6 +55,7 @@ from celery._state import _task_stack  # type: ignore[attr-defined]
 from celery.app.amqp import AMQP
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
+from celery.states import STARTED
 
 try:
     from celery.app.trace import (  # type: ignore[attr-defined]  # not in celery-types
@@ -257,6 +258,9 @@ class LockedTask(Task):  # type: ignore[type-arg]
     retry_on_worker_lost = False
     #: Sends ``task-skipped`` from the worker's main process; derive your own from it.
     Request = "celery_lock.request:LockedRequest"
+    #: ``track_started`` (``task_track_started``) as the task was given it: :meth:`on_bound`
+    #: moves it here, and the run that holds the lease stores ``STARTED`` itself.
+    _lock_track_started: ClassVar[bool] = False
 
     _lock_deriver: ClassVar[KeyDeriver | None] = None
 
@@ -318,6 +322,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
         from .worker import install  # noqa: PLC0415 - worker imports this module
 
         super().on_bound(app)
+        if cls.track_started:
+            # Celery stores STARTED for every delivery, before __call__: a copy deferred, or
+            # acked as its own request's redelivery, then ends with Ignore and stores nothing
+            # more, and STARTED stays over the holder's SUCCESS (rpc://) or FAILURE for ever.
+            # Celery reads the flag per call from the task; the lease's holder stores it.
+            cls._lock_track_started, cls.track_started = True, False
         install(app)
 
     # -- caller side ---------------------------------------------------------------------------
@@ -606,6 +616,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if settings.fail_open:
             logger.warning("celery-lock: %s; running task %s unlocked (fail_open)", exc, run)
             request.lock_fence, request.lock_key, request.lock_lost = None, keys.lock, False
+            if self._lock_track_started:
+                self._store_started(request)
             return self.run(*args, **kwargs)
         if request.is_eager or request.called_directly:
             # Nothing to hand back to a broker: _defer raises the error itself.
@@ -639,6 +651,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 # (Celery copies the request's headers) must not start its backoff where it ended.
                 del headers[DEFERRALS_HEADER]
             heartbeat.add(lease, settings.interval)
+            if self._lock_track_started:
+                self._store_started(request)
             signals.lock_acquired.send(
                 sender=self, task_id=request.id, lock_key=lease.keys.lock, fence=lease.fence
             )
@@ -649,6 +663,18 @@ class LockedTask(Task):  # type: ignore[type-arg]
             return result
         finally:
             self._release(lease, settings, heartbeat, success=success)
+
+    def _store_started(self, request: Any) -> None:
+        """Store ``STARTED`` for the run that holds the lease, as Celery's trace would have
+        stored it for every delivery (:meth:`on_bound`)."""
+        if request.is_eager or request.called_directly or _ignores_result(self, request):
+            return
+        self.backend.store_result(
+            request.id,
+            {"pid": os.getpid(), "hostname": request.hostname},
+            STARTED,
+            request=request,
+        )
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's :meth:`~celery.app.task.Task.retry`, noting on the run's lease that the

@@ -132,7 +132,7 @@ def test_follow_inside_a_task_refuses_before_it_waits(celery_app: Celery) -> Non
     copy = skipped_copy(celery_app, "busy-id")
     _set_task_join_will_block(True)  # as in a worker's pool process
     try:
-        with pytest.raises(RuntimeError, match="Never call result.get"):
+        with pytest.raises(RuntimeError, match=r"Never call result\.get"):
             follow(copy, timeout=3, interval=0.05)  # was: a TimeoutError after 3 s
         with pytest.raises(CeleryTimeoutError):  # allowed to wait, it does
             follow(copy, timeout=0.3, interval=0.05, disable_sync_subtasks=False)

@@ -22,6 +22,7 @@ from celery.contrib.testing.worker import TestWorkController
 from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import before_task_publish, task_postrun
+from celery.states import STARTED
 from conftest import consecutive, hold, wait_for
 from kombu.exceptions import EncodeError, OperationalError
 from recording import recording
@@ -307,6 +308,35 @@ def test_a_failure_after_the_body_returned_leaves_the_request_done(
     with pytest.raises(EncodeError):
         follow(copy, timeout=TIMEOUT)  # the holder's failure
     assert (copy.state, copy.info["reason"], copy.info["holder"]) == (SKIPPED, "done", first.id)
+    assert calls.count("t.tags") == 1
+
+
+@pytest.mark.celery(task_track_started=True)
+def test_under_track_started_only_the_run_that_holds_the_request_stores_started(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    # Celery stored STARTED for every delivery, before the lease was asked for: a redelivery
+    # of a message whose request is done, acked as such, left STARTED over its FAILURE (and,
+    # on rpc://, over its SUCCESS), so follow() and .get() waited for ever.
+    running = tasks["slow"].delay(7)
+    assert calls.started.wait(TIMEOUT)
+    assert running.state == STARTED  # the holder's run stores it
+    calls.proceed.set()
+    running.get(timeout=TIMEOUT)
+    first = tasks["tags"].delay(7)
+    wait_for("the run to fail", lambda: first.state == "FAILURE", TIMEOUT)
+    ended: list[str] = []
+
+    def on_postrun(task_id: str, **_: Any) -> None:
+        ended.append(task_id)
+
+    task_postrun.connect(on_postrun, weak=False)
+    try:
+        tasks["tags"].apply_async((7,), task_id=first.id)  # the same message, again
+        wait_for("the redelivery to be acked", lambda: first.id in ended, TIMEOUT)
+    finally:
+        task_postrun.disconnect(on_postrun)
+    assert tasks["tags"].AsyncResult(first.id).state == "FAILURE"  # was STARTED (first caches)
     assert calls.count("t.tags") == 1
 
 
