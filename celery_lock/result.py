@@ -19,10 +19,7 @@ import redis
 from celery import Celery
 from celery.backends.rpc import RPCBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from celery.result import (
-    AsyncResult,
-    assert_will_not_block,  # type: ignore[attr-defined]
-)
+from celery.result import AsyncResult, assert_will_not_block  # type: ignore[attr-defined]
 
 from .config import LockSettings
 from .exceptions import ConfigurationError, LockStoreUnavailableError, ResultUnavailableError
