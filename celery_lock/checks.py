@@ -56,7 +56,7 @@ from celery import Celery
 from celery.schedules import schedule as celery_schedule
 from kombu.utils.imports import symbol_by_name
 
-from .config import LockSettings, conf_value
+from .config import LockSettings, conf_value, passwords_masked
 from .exceptions import ConfigurationError
 from .keys import RequestKeys
 from .request import LockedRequest
@@ -72,6 +72,7 @@ __all__ = [
     "green_heartbeat_warnings",
     "misnamed_settings",
     "request_class_warnings",
+    "scope_warnings",
     "settings_warnings",
     "store_prefixes",
     "store_warnings",
@@ -443,6 +444,34 @@ def _key_permission_warnings(store: LockStore, prefixes: Iterable[str]) -> list[
     return found
 
 
+def scope_warnings(app: Celery) -> list[str]:
+    """Tasks of one ``lock_scope`` whose keys land apart: another key prefix, or another lock
+    store. They exclude each other only where their leases are one key in one store, so such a
+    scope shares nothing across the split, and each side runs while the other holds."""
+    from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
+
+    where: dict[str, dict[tuple[str, str], list[str]]] = {}
+    for task in app.tasks.values():
+        if isinstance(task, LockedTask) and task.lock_scope is not None:
+            settings = task.lock_settings()
+            try:
+                url = lock_store_url(app, settings)
+            except ConfigurationError:
+                continue  # a worker refuses such a task at start
+            place = (settings.key_prefix, passwords_masked(url, url))
+            where.setdefault(task.lock_scope, {}).setdefault(place, []).append(task.name)
+    return [
+        f"the tasks of lock_scope {scope!r} do not share their leases: "
+        + "; ".join(
+            f"{', '.join(sorted(names))} lock under key prefix {prefix!r} on {url}"
+            for (prefix, url), names in sorted(places.items())
+        )
+        + " (give them one lock_key_prefix and one lock store)"
+        for scope, places in sorted(where.items())
+        if len(places) > 1
+    ]
+
+
 def _text(exc: BaseException) -> str:
     return str(exc).rstrip(".")  # redis-py ends some messages with a full stop; ours go on
 
@@ -522,7 +551,7 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore], bodies: int = 1) 
             settings = task.lock_settings()
             if settings != LockSettings.resolve(app.conf):
                 found += settings_warnings(app, task.name, settings)
-    found += beat_warnings(app)
+    found += beat_warnings(app) + scope_warnings(app)
     try:
         in_use = _stores_in_use(app)
     except ConfigurationError:

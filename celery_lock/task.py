@@ -188,18 +188,31 @@ def _ignores_result(task: Task[Any, Any], request: Any) -> bool:
     return bool(task.ignore_result or getattr(request, "ignore_result", False))
 
 
-def _check_scope(task_name: str, scope: Any) -> None:
-    """Refuse a ``lock_scope`` that is neither ``None`` nor a non-empty string.
+def _check_scope(task_name: str, scope: Any, key_spec: LockKeySpec) -> None:
+    """Refuse a ``lock_scope`` that is neither ``None`` nor a non-empty string, or that is
+    given with the default key.
 
     Checked when the class is created: otherwise every message would fail on the worker (a
-    number or a list), or an empty scope would quietly mean the task's own name.
+    number or a list), or an empty scope would quietly mean the task's own name. The default
+    key digests the task's name with its arguments, so no other task's key is ever equal to
+    it: a scope shared with the default key would exclude nothing, in silence.
 
     Raises:
         ConfigurationError: naming ``<task name>.lock_scope``.
     """
-    if scope is not None and (not isinstance(scope, str) or not scope):
+    if scope is None:
+        return
+    if not isinstance(scope, str) or not scope:
         raise ConfigurationError(
             f"{task_name}.lock_scope", f"must be a non-empty string or None, got {scope!r}"
+        )
+    if key_spec is None:
+        raise ConfigurationError(
+            f"{task_name}.lock_scope",
+            f"{scope!r} needs a lock_key: the default key digests the task's name with its "
+            "arguments, so no other task of the scope would ever have the same key; give the "
+            "tasks of the scope a lock_key (an argument name, a template or a callable) that "
+            "yields the same key for the same request",
         )
 
 
@@ -302,7 +315,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             inherited = {option for base in cls.__mro__[1:] for option in vars(base)}
             check_option_names(name, list(cls.__dict__), inherited)
         cls._lock_deriver = KeyDeriver.create(name, signature, spec)
-        _check_scope(name, cls.lock_scope)
+        _check_scope(name, cls.lock_scope, spec)
         LockSettings.resolve({}, cls._lock_task_options(), name, check_together=False)
 
     @classmethod

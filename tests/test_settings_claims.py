@@ -387,3 +387,39 @@ def test_a_beat_entry_whose_ticks_can_run_is_not_warned_about(
 ) -> None:
     beat_app.conf.beat_schedule = {"entry": entry}
     assert checks.beat_warnings(beat_app) == []
+
+
+# -- a scope whose tasks lock apart ------------------------------------------------------------
+
+
+def test_a_scope_whose_tasks_lock_under_other_prefixes_or_stores_is_warned_about() -> None:
+    """concepts.md, Scope: the tasks of a scope exclude each other only where their leases are
+    one key in one store. A stage with a key prefix or a lock store of its own ran while the
+    others held the request, and nothing said so."""
+    app = Celery("claims_scope", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    options: dict[str, Any] = {"base": LockedTask, "shared": False, "lock_key": "order"}
+
+    @app.task(name="claims.scope.pending", lock_scope="order", **options)
+    def pending(order: int) -> None: ...
+
+    @app.task(name="claims.scope.ship", lock_scope="order", **options)
+    def ship(order: int) -> None: ...
+
+    @app.task(name="claims.scope.billing", lock_scope="order", lock_key_prefix="bill", **options)
+    def billing(order: int) -> None: ...
+
+    @app.task(name="claims.scope.settle", lock_scope="order", **options,
+              lock_redis_url="redis://:secret@127.0.0.1:2/0")  # fmt: skip
+    def settle(order: int) -> None: ...
+
+    @app.task(name="claims.scope.audit", lock_scope="audit", lock_key_prefix="bill", **options)
+    def audit(order: int) -> None: ...  # a scope of one task: nothing to share
+
+    assert checks.scope_warnings(app) == [
+        "the tasks of lock_scope 'order' do not share their leases: claims.scope.billing lock "
+        "under key prefix 'bill' on redis://127.0.0.1:1/0; claims.scope.pending, "
+        "claims.scope.ship lock under key prefix 'celery-lock' on redis://127.0.0.1:1/0; "
+        "claims.scope.settle lock under key prefix 'celery-lock' on redis://:***@127.0.0.1:2/0 "
+        "(give them one lock_key_prefix and one lock store)"
+    ]
+    assert checks.scope_warnings(app)[0] in checks.warn_at_startup(app, {})
