@@ -194,7 +194,6 @@ def install(app: Celery) -> Celery:
     if app.__dict__.get(_INSTALLED):
         return app
     setattr(app, _INSTALLED, True)
-    _hide_lock_store_url_in_reports()
     app.user_options["worker"].update(_worker_options())
     app.steps["worker"].add(LockStep)
     _check_later_steps_at_publish(app)
@@ -298,6 +297,8 @@ def _hide_lock_store_url_in_reports() -> None:
     ``celery inspect conf`` (Flower's worker configuration tab) and ``celery report`` show
     ``app.conf`` with the settings whose names match Celery's ``HIDDEN_SETTINGS`` masked; the
     lock store URL, which may hold a password as the broker URL does, matched none of them.
+    Done when this module is imported, not by :func:`install`: ``celery report`` never
+    finalizes the app, so no task binds to install celery-lock.
     """
     # celery-types does not declare HIDDEN_SETTINGS; filter_hidden_settings reads it per call.
     hidden: re.Pattern[str] = celery_app_utils.HIDDEN_SETTINGS  # type: ignore[attr-defined]
@@ -305,3 +306,6 @@ def _hide_lock_store_url_in_reports() -> None:
         celery_app_utils.HIDDEN_SETTINGS = re.compile(  # type: ignore[attr-defined]
             f"{hidden.pattern}|LOCK_REDIS_URL", hidden.flags
         )
+
+
+_hide_lock_store_url_in_reports()

@@ -172,6 +172,26 @@ def test_the_lock_store_password_is_masked_where_celery_masks_the_brokers(
     assert "s3cret" not in report.stdout
 
 
+def test_the_lock_store_password_is_masked_in_a_report_of_an_app_never_finalized() -> None:
+    """``celery report`` never finalizes the app, so no LockedTask binds to install
+    celery-lock: the masking came only with install, and the report showed the password."""
+    program = (
+        "import celery_lock\n"
+        "from celery import Celery\n"
+        "app = Celery('report', set_as_current=False)\n"
+        "app.conf.celery_lock_redis_url = 'redis://:s3cret@locks.example:6379/2'\n"
+        "@app.task(base=celery_lock.LockedTask, lock_key='order')\n"
+        "def charge(order): ...\n"
+        "print(app.bugreport())\n"
+    )
+    report = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert report.returncode == 0, report.stderr
+    assert "celery_lock_redis_url: '********'" in report.stdout
+    assert "s3cret" not in report.stdout
+
+
 def test_a_lock_store_not_reachable_at_start_is_warned_about_and_the_worker_starts(
     worker: Any,
 ) -> None:
