@@ -204,7 +204,12 @@ class Heartbeat:
         """
         by_store: dict[LockStore, list[Lease]] = defaultdict(list)
         for lease in self.leases():
-            if not lease.lost:
+            if lease.expired:
+                # Lost, or a whole TTL unconfirmed, which counts as lost however its store
+                # answers in the end: an extend still on its way (a store that hangs) would
+                # tell only after two socket timeouts, while another worker may hold it.
+                self._lost_if_held(lease)
+            else:
                 by_store[lease.store].append(lease)
         for store in self._stores_releasing():
             by_store.setdefault(store, [])  # visited for its releases, even with no lease held

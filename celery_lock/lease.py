@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -42,6 +43,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+#: Makes :meth:`Lease.mark_lost` once-only across threads; taken only when a lease is lost, not
+#: per task (a lock per lease would cost every task).
+_LOSS_GUARD = threading.Lock()
 
 
 def new_token() -> str:
@@ -219,7 +223,7 @@ class Lease:
     #: How long the heartbeat keeps the fence counter alive, at least, each time it extends the
     #: lease (milliseconds; 0: it leaves the counter alone).
     fence_ttl_ms: int = 0
-    #: Called once, from the heartbeat thread, when the lease is found lost.
+    #: Called once, from a heartbeat thread, when the lease is found lost.
     on_lost: Callable[[Lease], None] | None = None
     #: When the lease was last known to be ours (monotonic seconds).
     confirmed_at: float = field(default_factory=_monotonic)
@@ -252,9 +256,10 @@ class Lease:
     def mark_lost(self) -> None:
         """Record the loss (once), tell ``on_lost``, then log it: once the loss is logged, the
         body sees it (``request.lock_lost``, which ``on_lost`` sets)."""
-        if self._lost:
-            return
-        self._lost = True
+        with _LOSS_GUARD:  # the beat and an extend on its own thread may both find it
+            if self._lost:
+                return
+            self._lost = True
         try:
             if self.on_lost is not None:
                 self.on_lost(self)

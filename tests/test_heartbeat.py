@@ -331,6 +331,30 @@ def test_a_store_that_hangs_alone_does_not_hold_back_a_lease_on_another_store_ad
         _assert_extended_throughout(lock_redis, kept, 6.0)
 
 
+def test_a_lease_on_a_store_that_hangs_is_lost_once_a_ttl_passed_unconfirmed(
+    lock_url: str,
+) -> None:
+    # semantics.md: a lease its store cannot confirm counts as lost once a whole TTL has passed
+    # since it was last confirmed. The loss waited for the extend on its way to give up (two
+    # socket timeouts, 10 s): for 8 s after the lease lapsed, lock_lost said False while
+    # another worker could hold the request.
+    with _hung_and_healthy_stores(lock_url) as (hanging_server, hanging, _, heartbeat):
+        lease = _granted(hanging, "stuck", 2_000)
+        reported: list[float] = []
+        lease.on_lost = lambda _: reported.append(time.monotonic())
+        heartbeat.add(lease, 0.5)
+        hanging_server.pause()
+        paused = time.monotonic()
+        deadline = paused + 9.0  # before the first extend's two socket timeouts are up
+        while not lease.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lease.lost, "still not lost when the extend gave up"
+        assert len(reported) == 1
+        assert reported[0] - lease.confirmed_at >= 2.0  # not before a whole TTL
+        time.sleep(0.6)  # another beat: reported once
+        assert len(reported) == 1
+
+
 def test_two_stores_are_extended_even_when_no_thread_can_start(
     lock_url: str, lock_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
