@@ -17,14 +17,16 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.backends.base import DisabledBackend
 from celery.backends.rpc import RPCBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from celery.result import AsyncResult, assert_will_not_block  # type: ignore[attr-defined]
+from celery.result import AsyncResult, EagerResult, assert_will_not_block  # type: ignore[attr-defined]
 
 from .config import LockSettings
 from .exceptions import ConfigurationError, LockStoreUnavailableError, ResultUnavailableError
 from .keys import RequestKeys
 from .lease import decode_done
+from .request import SkippedCopy
 from .runtime import get_runtime
 from .states import SKIPPED
 from .store import LockStore
@@ -117,6 +119,8 @@ def follow(
             if deadline is not None and now >= deadline:
                 raise CeleryTimeoutError(f"task {current.id} not ready after {timeout}s")
             time.sleep(interval)
+        if isinstance(current, EagerResult) and isinstance(current.result, SkippedCopy):
+            return _eager_skip_followed(current, current.result, propagate)
         if state != SKIPPED:
             return current.get(
                 timeout=_left(deadline),
@@ -212,6 +216,19 @@ class _Holding:
         else:
             settings = LockSettings.resolve(self.app.conf)
         return get_runtime(self.app).store_for(settings)
+
+
+def _eager_skip_followed(copy: EagerResult[Any], skipped: SkippedCopy, propagate: bool) -> Any:
+    """The value of the task an eager copy was skipped in favour of, where its result is in
+    the task's app's backend and ready (an eager holder under ``task_store_eager_result``, or
+    one a worker ran); else ``None``, as the copy's own ``get()``, at once: an eager call waits
+    for nothing, and an eager holder's result is stored nowhere else."""
+    app, holder = skipped.app, skipped.holder
+    if app is None or not holder or holder == copy.id or isinstance(app.backend, DisabledBackend):
+        return None
+    held: AsyncResult[Any] = AsyncResult(holder, app=app)
+    # Ready: the get() that follows waits for nothing, inside a task or not.
+    return held.get(propagate=propagate, disable_sync_subtasks=False) if held.ready() else None
 
 
 def _left(deadline: float | None) -> float | None:

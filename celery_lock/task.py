@@ -957,7 +957,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
             return meta
         if request.id and not request.is_eager and not _ignores_result(self, request):
             store_skipped(self, request.id, meta)
-        return _Ignored(SkippedCopy(keys.lock, reason, holder, handed_on_at))
+        skipped = SkippedCopy(keys.lock, reason, holder, handed_on_at)
+        if request.is_eager:
+            skipped.app = self.app  # the eager result's: follow() reads the holder's result there
+        return _Ignored(skipped)
 
     def _defer(
         self,

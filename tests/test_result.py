@@ -122,7 +122,24 @@ def test_follow_returns_an_eager_call_s_value_at_once(celery_app: Celery) -> Non
 
     assert follow(eager.apply((7,)), timeout=TIMEOUT) == 14  # an EagerResult: ready as made
     skipped = eager.apply((7,))  # done: state IGNORED, which is no ready state
-    assert follow(skipped, timeout=1) == skipped.get() is None  # as get(): no waiting
+    # The holder's result is stored nowhere: None, as get(), with no waiting.
+    assert follow(skipped, timeout=1) == skipped.get() is None
+
+
+@pytest.mark.celery(task_store_eager_result=True)
+def test_follow_leads_from_an_eager_copy_skipped_to_its_holder_s_stored_result(
+    celery_app: Celery,
+) -> None:
+    # It returned None, as the copy's get() does, though the skip names its holder and the
+    # holder's result was in the backend.
+    @celery_app.task(base=LockedTask, lock_key="request_idx", name="r.stored", shared=False)
+    def stored(request_idx: int) -> int:
+        return request_idx * 3
+
+    first = stored.apply((7,))
+    skipped = stored.apply((7,))
+    assert skipped.state == "IGNORED"
+    assert follow(skipped, timeout=1) == follow(first, timeout=1) == 21
 
 
 def test_follow_inside_a_task_refuses_before_it_waits(celery_app: Celery) -> None:
