@@ -61,7 +61,14 @@ from .exceptions import ConfigurationError
 from .keys import RequestKeys
 from .request import LockedRequest
 from .runtime import first_broker_url, lock_store_url
-from .store import REFUSED_ERRORS, TRANSIENT_ERRORS, LockStore, address_of, reach
+from .store import (
+    REFUSED_ERRORS,
+    TRANSIENT_ERRORS,
+    LockStore,
+    address_of,
+    cluster_masters,
+    reach,
+)
 
 __all__ = [
     "beat_warnings",
@@ -327,7 +334,7 @@ def check_single_endpoint(client: redis.Redis, setting: str = "celery_lock_redis
     Raises:
         ConfigurationError: naming ``setting``: the store is such a node.
     """
-    masters = _cluster_masters(client)
+    masters = cluster_masters(client)
     if masters is None or masters <= 1:
         return
     use = "Use"
@@ -343,22 +350,6 @@ def check_single_endpoint(client: redis.Redis, setting: str = "celery_lock_redis
     )
 
 
-def _cluster_masters(client: redis.Redis) -> int | None:
-    """How many masters serve slots in the cluster of the store's node (``cluster_size``);
-    ``None`` where ``CLUSTER INFO`` is refused or fails."""
-    try:
-        info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
-    except redis.RedisError as exc:  # not in cluster mode, denied by an ACL, or gone
-        logger.debug("celery-lock: no cluster check of the lock store: %s", exc)
-        return None
-    text = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name == "cluster_size" and value.strip().isdigit():
-            return int(value)
-    return None
-
-
 def _replica_warnings(store: LockStore) -> list[str]:
     """Whether the lock store is a replica (a reader endpoint, a node demoted before the worker
     started): it refuses every grant (``READONLY``), which the store takes for a failover in
@@ -370,6 +361,13 @@ def _replica_warnings(store: LockStore) -> list[str]:
     if info.get("role") != "slave":
         return []
     primary = f"{info.get('master_host', '?')}:{info.get('master_port', '?')}"
+    if cluster_masters(store.client) is not None:
+        # A cluster's replica answers MOVED, which the store follows to the master.
+        return [
+            f"lock store {address_of(store.client)} is a replica of {primary} in a Redis "
+            "Cluster: each process's first command there is redirected (MOVED) to the master, "
+            "which the store then uses; point the lock store URL at the master"
+        ]
     return [
         f"lock store {address_of(store.client)} is a replica of {primary}: point the lock "
         "store URL at the primary. A read-only replica refuses every grant (READONLY), so "

@@ -88,6 +88,7 @@ __all__ = [
     "LockStore",
     "TransientReplyError",
     "client_for_url",
+    "cluster_masters",
     "is_transient_reply",
     "reply_code",
 ]
@@ -422,6 +423,48 @@ class LockStore:
         if isinstance(exc, NoScriptError) or is_transient_reply(exc):
             self._leave_if_demoted(exc)
             raise TransientReplyError(str(exc)) from exc
+        if self._followed_failover(exc):
+            raise TransientReplyError(str(exc)) from exc
+
+    def _followed_failover(self, exc: redis.ResponseError) -> bool:
+        """After ``MOVED`` from a node of a Redis Cluster of one master, point the client at the
+        master it names; whether it did.
+
+        A failover in a cluster of one master (a replica promoted, by ``CLUSTER FAILOVER`` or
+        because the master failed) leaves the node the URL names a replica, which answers
+        ``MOVED`` for every key, never ``READONLY``: taken for a refusal for good, every task
+        failed unrun and every held lease counted as lost. Followed, the command is tried again
+        on the new master. Where the node cannot say how many masters there are (``CLUSTER
+        INFO`` refused), the redirect is followed all the same: a try on the master that serves
+        the request's slot is right for that request, and the other choice fails it unrun. A
+        cluster of several masters is refused for good, as the worker refuses it at start.
+        """
+        target = _redirect_address(_redirect(exc))
+        kwargs = self.client.connection_pool.connection_kwargs
+        if target is None or "host" not in kwargs:  # no redirect, or a unix socket's store
+            return False
+        masters = cluster_masters(self.client)
+        if masters is not None and masters > 1:
+            return False
+        host, port = target
+        with self._server_guard:
+            if (kwargs.get("host"), kwargs.get("port")) != (host, port):
+                logger.warning(
+                    "celery-lock: the lock store %s is no longer its cluster's master (%s); "
+                    "following it to %s:%s",
+                    address_of(self.client),
+                    exc,
+                    host,
+                    port,
+                )
+                kwargs["host"], kwargs["port"] = host, port
+            _repoint_connections(self.client.connection_pool, host, port)
+        if self._own_guard.acquire(blocking=False):
+            try:
+                self._drop_own()
+            finally:
+                self._own_guard.release()
+        return True
 
     def _leave_if_demoted(self, exc: redis.ResponseError) -> None:
         """After ``READONLY`` or ``MASTERDOWN``, drop the connections to the server not in use.
@@ -767,6 +810,52 @@ def _redirect(exc: redis.ResponseError) -> str:
     if isinstance(exc, AskError):
         return f"{'MOVED' if isinstance(exc, MovedError) else 'ASK'} {exc}"
     return str(exc) if reply_code(exc) in ("MOVED", "ASK") else ""
+
+
+def _redirect_address(redirect: str) -> tuple[str, int] | None:
+    """The ``(host, port)`` a ``MOVED`` redirect names (see :func:`_redirect`); ``None`` for
+    no redirect, an ``ASK`` (a slot on its way to another master: the cluster has several), or
+    one this cannot read."""
+    words = redirect.split()
+    if len(words) != 3 or words[0] != "MOVED":
+        return None
+    host, _, port = words[2].rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _repoint_connections(pool: Any, host: str, port: int) -> None:
+    """Point every connection of ``pool`` at ``host:port``: the idle ones disconnected now,
+    those in use when they next connect (each one meeting ``MOVED`` first is disconnected by
+    redis-py's error handling or by the store). redis-py keeps each connection's address on
+    the connection, so new ``connection_kwargs`` alone reach only connections made later."""
+    connections = [
+        *getattr(pool, "_available_connections", ()),
+        *getattr(pool, "_in_use_connections", ()),
+    ]
+    for connection in connections:
+        if hasattr(connection, "host") and (connection.host, connection.port) != (host, port):
+            connection.host, connection.port = host, port
+            if connection in getattr(pool, "_available_connections", ()):
+                connection.disconnect()
+
+
+def cluster_masters(client: redis.Redis) -> int | None:
+    """How many masters serve slots in the cluster of the store's node (``cluster_size``);
+    ``None`` where ``CLUSTER INFO`` is refused or fails (a server not in cluster mode, an ACL
+    that denies ``CLUSTER``, or one gone)."""
+    try:
+        info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+    except redis.RedisError as exc:
+        logger.debug("celery-lock: no cluster check of the lock store: %s", exc)
+        return None
+    text = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name == "cluster_size" and value.strip().isdigit():
+            return int(value)
+    return None
 
 
 def _transient(exc: BaseException) -> bool:

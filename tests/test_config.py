@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from conftest import granted
+from conftest import CLUSTER_NODE, cluster_port, granted, wait_for
 from redis.crc import key_slot
 
 from celery_lock import ConfigurationError, LockedTask, LockSettings, LockStoreError, checks, config
@@ -724,6 +724,64 @@ def test_a_cluster_of_one_master_is_a_lock_store_like_a_plain_server(
             assert isinstance(outcome, Acquired)
     finally:
         store.close()
+
+
+def test_a_cluster_of_one_master_is_followed_through_a_failover(
+    redis_cluster: Callable[[int], list[RedisServer]],
+) -> None:
+    """After a failover, the node the URL names is a replica, which answers MOVED (never
+    READONLY): taken for a refusal for good, every task failed unrun, its message acked, and
+    every held lease counted as lost, though it lived on at the new master."""
+    [master] = redis_cluster(1)
+    replica = RedisServer(cluster_port(), CLUSTER_NODE)
+    replica.start()
+    store = LockStore.from_url(master.url)
+    try:
+        with master.client() as first, replica.client() as second:
+            first.execute_command("CLUSTER", "MEET", "127.0.0.1", replica.port)
+            master_id = first.execute_command("CLUSTER", "MYID").decode()
+
+            def replicating() -> bool:
+                try:
+                    second.execute_command("CLUSTER", "REPLICATE", master_id)
+                except redis.ResponseError:  # the replica has not heard of the master yet
+                    return False
+                return True
+
+            wait_for("the replica to know its master", replicating)
+            wait_for(
+                "the replica to be in sync",
+                lambda: second.info("replication").get("master_link_status") == "up",
+            )
+            holder = Holder("a", "t", "h", 1)
+            held_keys = RequestKeys.build("celery-lock", "t", "held", "t")
+            token = new_token()
+            fence = granted(store.acquire(held_keys, token, 60_000, holder, 120_000))
+            lease = Lease(store, held_keys, token, 60_000, fence, holder)
+            assert first.execute_command("WAIT", 1, 10_000) == 1  # the lease is on the replica
+            wait_for(
+                "the replica to find the cluster ok",
+                lambda: b"cluster_state:ok" in second.execute_command("CLUSTER", "INFO"),
+            )
+            second.execute_command("CLUSTER", "FAILOVER")
+            wait_for(
+                "the failover",
+                lambda: (
+                    first.info("replication")["role"] == "slave"
+                    and second.info("replication")["role"] == "master"
+                ),
+            )
+            fresh = RequestKeys.build("celery-lock", "t", "fresh", "t")
+            assert isinstance(store.acquire(fresh, new_token(), 5_000, holder, 60_000), Acquired)
+            assert store.extend_all([lease]) == [True]
+            assert store.release(lease, success=True, done_ttl_ms=60_000)
+            assert second.get(held_keys.done) == b"a"
+        [warning] = checks.store_warnings(LockStore.from_url(master.url))
+        assert "is a replica of" in warning
+        assert "in a Redis Cluster" in warning
+    finally:
+        store.close()
+        replica.stop()
 
 
 def test_the_cluster_check_is_skipped_where_an_acl_refuses_cluster_info(
