@@ -314,7 +314,10 @@ class RedisServer:
                         return
                 except redis.AuthenticationError:
                     return  # it answered, it only wants a password we were not given
-                except redis.RedisError:
+                except Exception:
+                    # Not ready, or not ours, whatever it answered: redis-py 8 fails on a
+                    # handshake reply it did not expect with an AttributeError, not a
+                    # RedisError (seen once, starting a cluster node).
                     pass
                 if time.monotonic() > deadline:
                     self.stop()

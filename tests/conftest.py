@@ -70,6 +70,21 @@ def cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node in 100 tries")
 
 
+def cluster_node() -> RedisServer:
+    """A started Redis Cluster node (not yet in a cluster) on a port pair that was free; a few
+    tries, since another test's server may take the pair between the check and the start."""
+    for tries_left in reversed(range(5)):
+        node = RedisServer(cluster_port(), CLUSTER_NODE)
+        try:
+            node.start()
+        except RuntimeError:  # exited: its port, or its bus port, was taken meanwhile
+            if not tries_left:
+                raise
+            continue
+        return node
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def redis_cluster() -> Iterator[Callable[[int], list[RedisServer]]]:
     """``redis_cluster(masters)``: a Redis Cluster of ``masters`` new nodes, each a master
@@ -78,10 +93,10 @@ def redis_cluster() -> Iterator[Callable[[int], list[RedisServer]]]:
     started: list[RedisServer] = []
 
     def make(masters: int) -> list[RedisServer]:
-        nodes = [RedisServer(cluster_port(), CLUSTER_NODE) for _ in range(masters)]
-        started.extend(nodes)
-        for node in nodes:
-            node.start()
+        nodes: list[RedisServer] = []
+        for _ in range(masters):
+            nodes.append(cluster_node())
+            started.append(nodes[-1])  # stopped at the end even if a later one fails to start
         bounds = [CLUSTER_SLOTS * i // masters for i in range(masters + 1)]
         for node, first, end in zip(nodes, bounds, bounds[1:], strict=False):
             with node.client() as admin:

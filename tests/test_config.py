@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from conftest import CLUSTER_NODE, cluster_port, granted, wait_for
+from conftest import cluster_node, granted, wait_for
 from redis.crc import key_slot
 
 from celery_lock import ConfigurationError, LockedTask, LockSettings, LockStoreError, checks, config
@@ -733,8 +733,7 @@ def test_a_cluster_of_one_master_is_followed_through_a_failover(
     READONLY): taken for a refusal for good, every task failed unrun, its message acked, and
     every held lease counted as lost, though it lived on at the new master."""
     [master] = redis_cluster(1)
-    replica = RedisServer(cluster_port(), CLUSTER_NODE)
-    replica.start()
+    replica = cluster_node()
     store = LockStore.from_url(master.url)
     try:
         with master.client() as first, replica.client() as second:
