@@ -55,6 +55,7 @@ import redis
 from celery import Celery
 from celery.schedules import schedule as celery_schedule
 from kombu.utils.imports import symbol_by_name
+from redis.connection import parse_url
 
 from .config import LockSettings, conf_value, passwords_masked
 from .exceptions import ConfigurationError
@@ -449,6 +450,7 @@ def scope_warnings(app: Celery) -> list[str]:
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 
     where: dict[str, dict[tuple[str, str], list[str]]] = {}
+    shown: dict[str, str] = {}  # a store as one of its URLs names it, password masked
     for task in app.tasks.values():
         if isinstance(task, LockedTask) and task.lock_scope is not None:
             settings = task.lock_settings()
@@ -456,18 +458,31 @@ def scope_warnings(app: Celery) -> list[str]:
                 url = lock_store_url(app, settings)
             except ConfigurationError:
                 continue  # a worker refuses such a task at start
-            place = (settings.key_prefix, passwords_masked(url, url))
+            store = _store_identity(url)
+            shown.setdefault(store, passwords_masked(url, url))
+            place = (settings.key_prefix, store)
             where.setdefault(task.lock_scope, {}).setdefault(place, []).append(task.name)
     return [
         f"the tasks of lock_scope {scope!r} do not share their leases: "
         + "; ".join(
-            f"{', '.join(sorted(names))} lock under key prefix {prefix!r} on {url}"
-            for (prefix, url), names in sorted(places.items())
+            f"{', '.join(sorted(names))} lock under key prefix {prefix!r} on {shown[store]}"
+            for (prefix, store), names in sorted(places.items())
         )
         + " (give them one lock_key_prefix and one lock store)"
         for scope, places in sorted(where.items())
         if len(places) > 1
     ]
+
+
+def _store_identity(url: str) -> str:
+    """The database a lock store URL leads to, as redis-py reads the URL: ``redis://h`` and
+    ``redis://h:6379/0`` are one; the URL itself where redis-py cannot read it (``sentinel://``)."""
+    try:
+        found = parse_url(url)  # type: ignore[no-untyped-call]
+    except (ValueError, redis.RedisError):
+        return url
+    where = found.get("path") or f"{found.get('host', 'localhost')}:{found.get('port', 6379)}"
+    return f"{where}/{found.get('db', 0)}"
 
 
 def _text(exc: BaseException) -> str:

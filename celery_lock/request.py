@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]  # not in celery-types
-from celery import Celery
 from celery.exceptions import Ignore
 from celery.worker.request import Request
 
@@ -41,13 +40,14 @@ class SkippedCopy(Ignore):
         #: The holder's replacement depth, for a copy skipped because the holder handed the
         #: request on with ``self.replace``.
         self.handed_on_at = handed_on_at
-        #: For an eager call's skip only (which nothing pickles), the task's app: an
-        #: ``EagerResult`` knows none, and :func:`celery_lock.follow` reads the holder's result
-        #: in that app's backend.
-        self.app: Celery | None = None
+        #: For an eager call's skip only (which nothing pickles), under
+        #: ``task_store_eager_result``: the task's result backend, where
+        #: :func:`celery_lock.follow` reads the holder's result (an ``EagerResult`` knows none).
+        self.backend: Any = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # From the arguments alone: the app stays behind (a copy pickled for the main process).
+        # From the arguments alone: the backend stays behind (a copy pickled for the main
+        # process).
         return type(self), self.args
 
     def event_fields(self) -> dict[str, Any]:

@@ -219,16 +219,24 @@ class _Holding:
 
 
 def _eager_skip_followed(copy: EagerResult[Any], skipped: SkippedCopy, propagate: bool) -> Any:
-    """The value of the task an eager copy was skipped in favour of, where its result is in
-    the task's app's backend and ready (an eager holder under ``task_store_eager_result``, or
-    one a worker ran); else ``None``, as the copy's own ``get()``, at once: an eager call waits
-    for nothing, and an eager holder's result is stored nowhere else."""
-    app, holder = skipped.app, skipped.holder
-    if app is None or not holder or holder == copy.id or isinstance(app.backend, DisabledBackend):
+    """The value of the task an eager copy was skipped in favour of, where the task stores
+    eager results (``task_store_eager_result``) and the holder's is there and ready; else
+    ``None``, as the copy's own ``get()``, at once: an eager call waits for nothing. One read of
+    the backend; a backend that fails it, or ``rpc://`` (whose reads take a state off the reply
+    queue), gives ``None`` too."""
+    backend, holder = skipped.backend, skipped.holder
+    if backend is None or not holder or holder == copy.id:
         return None
-    held: AsyncResult[Any] = AsyncResult(holder, app=app)
+    if isinstance(backend, (DisabledBackend, RPCBackend)):
+        return None
+    held: AsyncResult[Any] = AsyncResult(holder, backend=backend, app=backend.app)
+    try:
+        ready = held.ready()
+    except Exception as exc:  # any backend's error: nothing to follow to
+        logger.debug("celery-lock: cannot read the result of %s: %s", holder, exc)
+        return None
     # Ready: the get() that follows waits for nothing, inside a task or not.
-    return held.get(propagate=propagate, disable_sync_subtasks=False) if held.ready() else None
+    return held.get(propagate=propagate, disable_sync_subtasks=False) if ready else None
 
 
 def _left(deadline: float | None) -> float | None:

@@ -229,6 +229,13 @@ class LockStore:
         self._own_guard = threading.Lock()
         self._packs = False
         connection_kwargs = client.connection_pool.connection_kwargs
+        # The address the URL names, to come back to from one a failover led to (see
+        # _followed_failover); None for a unix socket's store.
+        self._url_address: tuple[Any, Any] | None = (
+            (connection_kwargs["host"], connection_kwargs.get("port"))
+            if "host" in connection_kwargs
+            else None
+        )
         if connection_kwargs.get("redis_connect_func") is None:
             connection_kwargs["redis_connect_func"] = self._on_connect
 
@@ -434,37 +441,51 @@ class LockStore:
         because the master failed) leaves the node the URL names a replica, which answers
         ``MOVED`` for every key, never ``READONLY``: taken for a refusal for good, every task
         failed unrun and every held lease counted as lost. Followed, the command is tried again
-        on the new master. Where the node cannot say how many masters there are (``CLUSTER
-        INFO`` refused), the redirect is followed all the same: a try on the master that serves
-        the request's slot is right for that request, and the other choice fails it unrun. A
-        cluster of several masters is refused for good, as the worker refuses it at start.
+        on the new master. Only where the node says its cluster has one master (``CLUSTER
+        INFO``): in a cluster of several, or one that cannot be asked, the client would go back
+        and forth between masters, and a pipeline of leases on several would never get through;
+        such a store is refused for good, as the worker refuses it at start. The URL's own
+        address is kept, to come back to should the address followed stop answering
+        (:meth:`_unfollow_if_unreachable`).
         """
         target = _redirect_address(_redirect(exc))
+        if target is None or self._url_address is None:  # no redirect, or a unix socket's store
+            return False
+        if cluster_masters(self.client) != 1:
+            return False
+        self._point_at(target, f"no longer its cluster's master ({exc}); following it to")
+        return True
+
+    def _unfollow_if_unreachable(self, exc: BaseException) -> None:
+        """After a failover was followed, a connection error on the address followed points the
+        store back at the URL's address (resolved again, as a name that moved may have): that
+        node may be master again, or lead to the one that is now."""
+        if self._url_address is None or not isinstance(exc, redis.ConnectionError):
+            return
+        if isinstance(exc, TransientReplyError):  # a reply: the address answers
+            return
         kwargs = self.client.connection_pool.connection_kwargs
-        if target is None or "host" not in kwargs:  # no redirect, or a unix socket's store
-            return False
-        masters = cluster_masters(self.client)
-        if masters is not None and masters > 1:
-            return False
-        host, port = target
+        if (kwargs.get("host"), kwargs.get("port")) != self._url_address:
+            self._point_at(self._url_address, f"not reachable ({exc}); going back to")
+
+    def _point_at(self, address: tuple[Any, Any], why: str) -> None:
+        """Point every connection of the client at ``address``, the held one dropped."""
+        kwargs = self.client.connection_pool.connection_kwargs
         with self._server_guard:
-            if (kwargs.get("host"), kwargs.get("port")) != (host, port):
+            if (kwargs.get("host"), kwargs.get("port")) != address:
                 logger.warning(
-                    "celery-lock: the lock store %s is no longer its cluster's master (%s); "
-                    "following it to %s:%s",
+                    "celery-lock: the lock store %s is %s %s:%s",
                     address_of(self.client),
-                    exc,
-                    host,
-                    port,
+                    why,
+                    *address,
                 )
-                kwargs["host"], kwargs["port"] = host, port
-            _repoint_connections(self.client.connection_pool, host, port)
+                kwargs["host"], kwargs["port"] = address
+            _repoint_connections(self.client.connection_pool, *address)
         if self._own_guard.acquire(blocking=False):
             try:
                 self._drop_own()
             finally:
                 self._own_guard.release()
-        return True
 
     def _leave_if_demoted(self, exc: redis.ResponseError) -> None:
         """After ``READONLY`` or ``MASTERDOWN``, drop the connections to the server not in use.
@@ -503,6 +524,7 @@ class LockStore:
                 # expired (ElastiCache IAM, Entra ID) fetches a fresh one.
                 return fn()
             except TRANSIENT_ERRORS as exc:
+                self._unfollow_if_unreachable(exc)
                 first_failure = exc
             return self._retry(what, lock_name, fn, first_failure, started)
         except REFUSED_ERRORS as exc:
@@ -559,7 +581,11 @@ class LockStore:
         def attempt() -> T:
             if replay:
                 raise replay.pop()
-            return fn()
+            try:
+                return fn()
+            except TRANSIENT_ERRORS as exc:
+                self._unfollow_if_unreachable(exc)
+                raise
 
         # What is left of the deadline: tenacity's clock starts after the first try.
         remaining = self.retry_deadline - (_monotonic() - started)
@@ -779,6 +805,9 @@ class LockStore:
                 # PING (on a connection idle for its interval) refused with MISCONF, say.
                 self._raise_if_transient(exc)
                 raise
+            except redis.ConnectionError as exc:
+                self._unfollow_if_unreachable(exc)
+                raise
             for reply in replies:
                 if isinstance(reply, redis.ResponseError):
                     self._raise_if_transient(reply)
@@ -825,20 +854,18 @@ def _redirect_address(redirect: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def _repoint_connections(pool: Any, host: str, port: int) -> None:
-    """Point every connection of ``pool`` at ``host:port``: the idle ones disconnected now,
-    those in use when they next connect (each one meeting ``MOVED`` first is disconnected by
-    redis-py's error handling or by the store). redis-py keeps each connection's address on
-    the connection, so new ``connection_kwargs`` alone reach only connections made later."""
-    connections = [
-        *getattr(pool, "_available_connections", ()),
-        *getattr(pool, "_in_use_connections", ()),
-    ]
-    for connection in connections:
-        if hasattr(connection, "host") and (connection.host, connection.port) != (host, port):
+def _repoint_connections(pool: Any, host: Any, port: Any) -> None:
+    """Point every connection of ``pool`` at ``host:port``, and disconnect the idle ones, which
+    may still be connected to the old address whatever address they name. redis-py keeps each
+    connection's address on the connection, so new ``connection_kwargs`` alone reach only
+    connections made later. One in use reconnects there once it is disconnected: by the
+    store, or by the next redirect followed after it is back in the pool."""
+    idle = list(getattr(pool, "_available_connections", ()))
+    for connection in [*idle, *getattr(pool, "_in_use_connections", ())]:
+        if hasattr(connection, "host"):
             connection.host, connection.port = host, port
-            if connection in getattr(pool, "_available_connections", ()):
-                connection.disconnect()
+    for connection in idle:
+        connection.disconnect()
 
 
 def cluster_masters(client: redis.Redis) -> int | None:

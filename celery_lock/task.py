@@ -188,25 +188,32 @@ def _ignores_result(task: Task[Any, Any], request: Any) -> bool:
     return bool(task.ignore_result or getattr(request, "ignore_result", False))
 
 
-def _check_scope(task_name: str, scope: Any, key_spec: LockKeySpec) -> None:
-    """Refuse a ``lock_scope`` that is neither ``None`` nor a non-empty string, or that is
-    given with the default key.
+def _check_scope(task_name: str, scope: Any) -> None:
+    """Refuse a ``lock_scope`` that is neither ``None`` nor a non-empty string.
 
     Checked when the class is created: otherwise every message would fail on the worker (a
-    number or a list), or an empty scope would quietly mean the task's own name. The default
-    key digests the task's name with its arguments, so no other task's key is ever equal to
-    it: a scope shared with the default key would exclude nothing, in silence.
+    number or a list), or an empty scope would quietly mean the task's own name.
 
     Raises:
         ConfigurationError: naming ``<task name>.lock_scope``.
     """
-    if scope is None:
-        return
-    if not isinstance(scope, str) or not scope:
+    if scope is not None and (not isinstance(scope, str) or not scope):
         raise ConfigurationError(
             f"{task_name}.lock_scope", f"must be a non-empty string or None, got {scope!r}"
         )
-    if key_spec is None:
+
+
+def _check_scope_has_a_key(task_name: str, scope: str | None, key_spec: LockKeySpec) -> None:
+    """Refuse a ``lock_scope`` given with the default key.
+
+    The default key digests the task's name with its arguments, so no other task's key is ever
+    equal to it: a scope shared with the default key would exclude nothing, in silence. Checked
+    when the task binds to its app, after ``task_annotations``, which may give the ``lock_key``.
+
+    Raises:
+        ConfigurationError: naming ``<task name>.lock_scope``.
+    """
+    if scope is not None and key_spec is None:
         raise ConfigurationError(
             f"{task_name}.lock_scope",
             f"{scope!r} needs a lock_key: the default key digests the task's name with its "
@@ -295,10 +302,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
         built before would go on keying every call by the ``lock_key`` the annotation replaced.
         """
         super().annotate()
-        cls._check_lock_options()
+        cls._check_lock_options(bound=True)
 
     @classmethod
-    def _check_lock_options(cls) -> None:
+    def _check_lock_options(cls, *, bound: bool = False) -> None:
+        """Check the lock options and build the key deriver; ``bound``: the task is binding to
+        its app, its ``task_annotations`` applied, so a scope's key is known at last."""
         spec = cls.__dict__.get("lock_key", cls.lock_key)
         if isinstance(spec, staticmethod):  # wrapped below when the class was created
             spec = spec.__func__
@@ -315,7 +324,9 @@ class LockedTask(Task):  # type: ignore[type-arg]
             inherited = {option for base in cls.__mro__[1:] for option in vars(base)}
             check_option_names(name, list(cls.__dict__), inherited)
         cls._lock_deriver = KeyDeriver.create(name, signature, spec)
-        _check_scope(name, cls.lock_scope, spec)
+        _check_scope(name, cls.lock_scope)
+        if bound:
+            _check_scope_has_a_key(name, cls.lock_scope, spec)
         LockSettings.resolve({}, cls._lock_task_options(), name, check_together=False)
 
     @classmethod
@@ -335,12 +346,17 @@ class LockedTask(Task):  # type: ignore[type-arg]
         from .worker import install  # noqa: PLC0415 - worker imports this module
 
         super().on_bound(app)
-        if cls.track_started:
+        if "_lock_track_started" not in cls.__dict__:  # once per class: bound again, kept
             # Celery stores STARTED for every delivery, before __call__: a copy deferred, or
             # acked as its own request's redelivery, then ends with Ignore and stores nothing
             # more, and STARTED stays over the holder's SUCCESS (rpc://) or FAILURE for ever.
-            # Celery reads the flag per call from the task; the lease's holder stores it.
-            cls._lock_track_started, cls.track_started = True, False
+            # Celery reads the flag from the task; the lease's holder stores it instead.
+            if cls.track_started or "track_started" in cls.__dict__:
+                # Given here, by a base not bound, or by Celery from task_track_started.
+                cls._lock_track_started = bool(cls.track_started)
+            else:  # inherited from a bound base, which moved its own: that one is Celery's
+                cls._lock_track_started = cls._lock_track_started
+            cls.track_started = False
         install(app)
 
     # -- caller side ---------------------------------------------------------------------------
@@ -958,8 +974,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if request.id and not request.is_eager and not _ignores_result(self, request):
             store_skipped(self, request.id, meta)
         skipped = SkippedCopy(keys.lock, reason, holder, handed_on_at)
-        if request.is_eager:
-            skipped.app = self.app  # the eager result's: follow() reads the holder's result there
+        if request.is_eager and self.store_eager_result:
+            # Where an eager holder's result is stored: an EagerResult knows no backend, and
+            # follow() reads the holder's result there.
+            skipped.backend = self.backend
         return _Ignored(skipped)
 
     def _defer(

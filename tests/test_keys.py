@@ -582,7 +582,19 @@ def test_tasks_sharing_a_scope_share_the_lock_but_not_the_done_marker() -> None:
     assert slot(pending.done) == slot(process.done)
 
 
-def test_a_scope_with_the_default_key_is_refused_at_class_creation() -> None:
+def test_a_scope_whose_key_an_annotation_gives_is_not_refused() -> None:
+    # task_annotations apply when the task binds, after the class was created: the scope's key
+    # is known only then (docs/concepts.md).
+    annotated = Celery("keys_annotated", broker="memory://", set_as_current=False)
+    annotated.conf.task_annotations = {"keys_tests.annotated": {"lock_key": "order"}}
+
+    @annotated.task(name="keys_tests.annotated", lock_scope="orders", **TASK_OPTIONS)
+    def charge(order: int, amount: int) -> None: ...
+
+    assert charge.request_keys((7, 10), {}).lock == "celery-lock:{orders:7}:lock"
+
+
+def test_a_scope_with_the_default_key_is_refused_when_the_task_binds() -> None:
     # The default key digests the task's name: two tasks of one scope had two keys for one
     # request, and each ran while the other held it, without a word.
     def shared(x: Any) -> Any:

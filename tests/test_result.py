@@ -141,6 +141,36 @@ def test_follow_leads_from_an_eager_copy_skipped_to_its_holder_s_stored_result(
     assert skipped.state == "IGNORED"
     assert follow(skipped, timeout=1) == follow(first, timeout=1) == 21
 
+    # A task with a result backend of its own stores its eager results there.
+    @celery_app.task(base=LockedTask, lock_key="request_idx", name="r.own", shared=False,
+                     backend=_OwnBackend(celery_app))  # fmt: skip
+    def own(request_idx: int) -> int:
+        return request_idx * 5
+
+    own.apply((7,))
+    assert follow(own.apply((7,)), timeout=1) == 35
+
+
+def test_follow_of_an_eager_copy_skipped_does_not_read_a_backend_eager_results_skip(
+    lock_url: str,
+) -> None:
+    # Eager tests often configure a result backend that is not running: without
+    # task_store_eager_result nothing is stored there, and follow() must not go and look.
+    app = Celery("eager_unread", broker="memory://", backend="redis://127.0.0.1:1/0",
+                 set_as_current=False)  # fmt: skip
+    app.conf.celery_lock_redis_url = lock_url
+
+    @app.task(base=LockedTask, lock_key="request_idx", name="r.unread", shared=False)
+    def unread(request_idx: int) -> int:
+        return request_idx
+
+    try:
+        unread.apply((7,))
+        assert follow(unread.apply((7,)), timeout=1) is None
+    finally:
+        reset_runtime(app)
+        app.close()
+
 
 def test_follow_inside_a_task_refuses_before_it_waits(celery_app: Celery) -> None:
     # It polled the holder first and refused only in its last get(): a pool process held for

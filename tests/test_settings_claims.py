@@ -412,13 +412,18 @@ def test_a_scope_whose_tasks_lock_under_other_prefixes_or_stores_is_warned_about
               lock_redis_url="redis://:secret@127.0.0.1:2/0")  # fmt: skip
     def settle(order: int) -> None: ...
 
+    @app.task(name="claims.scope.refund", lock_scope="order", **options,
+              lock_redis_url="redis://127.0.0.1:1")  # fmt: skip
+    def refund(order: int) -> None: ...  # the broker's database 0 too, written another way
+
     @app.task(name="claims.scope.audit", lock_scope="audit", lock_key_prefix="bill", **options)
     def audit(order: int) -> None: ...  # a scope of one task: nothing to share
 
     assert checks.scope_warnings(app) == [
         "the tasks of lock_scope 'order' do not share their leases: claims.scope.billing lock "
         "under key prefix 'bill' on redis://127.0.0.1:1/0; claims.scope.pending, "
-        "claims.scope.ship lock under key prefix 'celery-lock' on redis://127.0.0.1:1/0; "
+        "claims.scope.refund, claims.scope.ship lock under key prefix 'celery-lock' on "
+        "redis://127.0.0.1:1/0; "
         "claims.scope.settle lock under key prefix 'celery-lock' on redis://:***@127.0.0.1:2/0 "
         "(give them one lock_key_prefix and one lock store)"
     ]

@@ -1592,3 +1592,34 @@ def test_a_long_deferred_copy_waits_at_most_a_minute(pttl_ms: int) -> None:
     down) or a holder's lease longer than that, DEFER_MAX_DELAY does, give or take the jitter."""
     delays = [LockedTask._defer_delay(10, pttl_ms) for _ in range(50)]
     assert all(0.8 * 60 <= d <= 1.2 * 60 for d in delays), delays
+
+
+def test_track_started_is_taken_from_where_celery_would_take_it() -> None:
+    # on_bound moves track_started to the task's own flag: a subclass of a bound task that says
+    # track_started=False kept its base's True, and stored STARTED.
+    first = Celery("track_first", broker="memory://", set_as_current=False)
+    first.conf.task_track_started = True
+
+    class Fetch(LockedTask):
+        name = "track.fetch"
+        lock_key = "n"
+
+        def run(self, n: int) -> int:
+            return n
+
+    fetch = first.register_task(Fetch())
+    second = Celery("track_second", broker="memory://", set_as_current=False)
+
+    @second.task(base=Fetch, name="track.quiet", track_started=False, shared=False, lazy=False)
+    def quiet(n: int) -> int:
+        return n
+
+    @second.task(base=Fetch, name="track.inherits", shared=False, lazy=False)
+    def inherits(n: int) -> int:
+        return n
+
+    assert (fetch.track_started, fetch._lock_track_started) == (False, True)
+    assert quiet._lock_track_started is False  # its own False
+    assert inherits._lock_track_started is True  # its base's, as Celery would read it
+    Fetch.bind(second)  # bound again: what it had stays
+    assert Fetch._lock_track_started is True
