@@ -457,30 +457,64 @@ class LockStore:
         return True
 
     def _unfollow_if_unreachable(self, exc: BaseException) -> None:
-        """After a failover was followed, a connection error on the address followed points the
-        store back at the URL's address (resolved again, as a name that moved may have): that
-        node may be master again, or lead to the one that is now."""
-        if self._url_address is None or not isinstance(exc, redis.ConnectionError):
-            return
-        if isinstance(exc, TransientReplyError):  # a reply: the address answers
+        """After a failover was followed, a connection that failed (refused, cut, timed out)
+        makes the store ask the URL's node which master it knows, and point there: the URL's
+        node itself when it is master again (a failback), or the master it names now. Where it
+        names the address followed, or cannot say, the store stays: one connection dropped by
+        a master that answers is no reason to leave it."""
+        if self._url_address is None or isinstance(exc, TransientReplyError):
+            return  # not a store that follows, or a reply: the address answers
+        if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
             return
         kwargs = self.client.connection_pool.connection_kwargs
-        if (kwargs.get("host"), kwargs.get("port")) != self._url_address:
-            self._point_at(self._url_address, f"not reachable ({exc}); going back to")
+        followed = (kwargs.get("host"), kwargs.get("port"))
+        if followed == self._url_address:
+            return
+        master = self._master_known_at_url()
+        if master is not None and master != followed:
+            self._point_at(master, f"not reachable ({exc}); its URL's node names as master")
+
+    def _master_known_at_url(self) -> tuple[Any, Any] | None:
+        """The master the URL's node knows (``ROLE``): the node itself, or the one it
+        replicates; ``None`` where it cannot be asked. One short-lived connection, with the
+        store's own options (password, TLS), without the store's connect hook."""
+        pool = self.client.connection_pool
+        kwargs = dict(pool.connection_kwargs)
+        kwargs.pop("redis_connect_func", None)
+        host, port = self._url_address or (None, None)
+        kwargs.update(host=host, port=port, socket_timeout=2, socket_connect_timeout=2)
+        probe = redis.Redis(connection_pool=redis.ConnectionPool(pool.connection_class, **kwargs))
+        try:
+            role = probe.execute_command("ROLE")  # type: ignore[no-untyped-call]
+        except redis.RedisError as exc:
+            logger.debug("celery-lock: cannot ask %s:%s for its master: %s", host, port, exc)
+            return None
+        finally:
+            probe.connection_pool.disconnect()
+        kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
+        if kind == "master":
+            return self._url_address
+        if kind == "slave" and len(role) >= 3:
+            named = role[1].decode() if isinstance(role[1], bytes) else str(role[1])
+            return named, int(role[2])
+        return None
 
     def _point_at(self, address: tuple[Any, Any], why: str) -> None:
         """Point every connection of the client at ``address``, the held one dropped."""
-        kwargs = self.client.connection_pool.connection_kwargs
+        pool = self.client.connection_pool
         with self._server_guard:
-            if (kwargs.get("host"), kwargs.get("port")) != address:
+            if (pool.connection_kwargs.get("host"), pool.connection_kwargs.get("port")) != address:
                 logger.warning(
                     "celery-lock: the lock store %s is %s %s:%s",
                     address_of(self.client),
                     why,
                     *address,
                 )
-                kwargs["host"], kwargs["port"] = address
-            _repoint_connections(self.client.connection_pool, *address)
+                # One assignment, not two: a connection made meanwhile on another thread reads
+                # the old address or the new one, never the new host with the old port.
+                host, port = address
+                pool.connection_kwargs = {**pool.connection_kwargs, "host": host, "port": port}
+            _repoint_connections(pool, *address)
         if self._own_guard.acquire(blocking=False):
             try:
                 self._drop_own()
@@ -805,7 +839,7 @@ class LockStore:
                 # PING (on a connection idle for its interval) refused with MISCONF, say.
                 self._raise_if_transient(exc)
                 raise
-            except redis.ConnectionError as exc:
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
                 self._unfollow_if_unreachable(exc)
                 raise
             for reply in replies:

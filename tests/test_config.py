@@ -782,16 +782,22 @@ def test_a_cluster_of_one_master_is_followed_through_a_failover(
                 demoted.close()
             assert "is a replica of" in warning
             assert "in a Redis Cluster" in warning
-            # The new master goes, and the URL's node takes over again: the store, which had
-            # followed the redirect, goes back to the URL's address (it was pinned to the dead
+            # A connection the new master cuts is no reason to leave it.
+            second.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            again = RequestKeys.build("celery-lock", "t", "again", "t")
+            assert isinstance(store.acquire(again, new_token(), 5_000, holder, 60_000), Acquired)
+            assert store.client.connection_pool.connection_kwargs["port"] == replica.port
+            # The new master hangs, and the URL's node takes over: the store, which had
+            # followed the redirect, goes back to the URL's address (it was pinned to the hung
             # one, every task deferred until the worker restarted).
-            replica.stop()
+            replica.pause()
             first.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
             wait_for("the takeover", lambda: first.info("replication")["role"] == "master")
             back = RequestKeys.build("celery-lock", "t", "back", "t")
             assert isinstance(store.acquire(back, new_token(), 5_000, holder, 60_000), Acquired)
     finally:
         store.close()
+        replica.resume()
         replica.stop()
 
 
