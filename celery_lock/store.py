@@ -388,6 +388,15 @@ class LockStore:
         finally:
             self._own_guard.release()
 
+    def _drop_own_unless_in_use(self) -> None:
+        """:meth:`_drop_own`, unless another thread is using the held connection (it will meet
+        the same reply, and drop it then)."""
+        if self._own_guard.acquire(blocking=False):
+            try:
+                self._drop_own()
+            finally:
+                self._own_guard.release()
+
     def _drop_own(self) -> None:
         """Disconnect the held connection and give it back to the pool; the caller holds
         ``_own_guard``.
@@ -515,11 +524,7 @@ class LockStore:
                 host, port = address
                 pool.connection_kwargs = {**pool.connection_kwargs, "host": host, "port": port}
             _repoint_connections(pool, *address)
-        if self._own_guard.acquire(blocking=False):
-            try:
-                self._drop_own()
-            finally:
-                self._own_guard.release()
+        self._drop_own_unless_in_use()
 
     def _leave_if_demoted(self, exc: redis.ResponseError) -> None:
         """After ``READONLY`` or ``MASTERDOWN``, drop the connections to the server not in use.
@@ -539,11 +544,7 @@ class LockStore:
             # The held connection, unless another thread is using it (it will meet the same
             # reply), and the idle ones: not those in use elsewhere, which may already lead to
             # the new primary and would lose a command on their way.
-            if self._own_guard.acquire(blocking=False):
-                try:
-                    self._drop_own()
-                finally:
-                    self._own_guard.release()
+            self._drop_own_unless_in_use()
             self.client.connection_pool.disconnect(inuse_connections=False)
 
     def _call(self, what: str, roles: dict[str, str], lock_name: str, fn: Callable[[], T]) -> T:
