@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from celery import Task
+
 from .exceptions import LockKeyError
 
 if TYPE_CHECKING:
@@ -86,9 +88,19 @@ def check_canvas(signature: Mapping[str, Any], app: Celery | None = None) -> Non
 
     Raises:
         LockKeyError: naming the first such step's task, whose arguments yield no request key.
+        TypeError: ``signature`` is none of those (a task, ``process`` for ``process.s(7)``,
+            or its name): there would be nothing to check, and no sign of it.
 
     .. versionadded:: 0.2.0
     """
+    if not isinstance(signature, Mapping) and (
+        # The Proxy a lazy @app.task returns is Iterable to the ABC, and fails to iterate.
+        not isinstance(signature, Iterable) or isinstance(signature, str | bytes | Task)
+    ):
+        raise TypeError(
+            f"check_canvas() takes a signature (such as process.s(7)), a dict, or an iterable "
+            f"of them, not {type(signature).__name__}"
+        )
     if app is None:
         from celery import current_app  # noqa: PLC0415 - for a dict, which names no app
 

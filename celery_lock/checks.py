@@ -260,9 +260,14 @@ def unknown_settings(conf: Mapping[str, Any]) -> list[str]:
     found = []
     for key in list(conf.keys()):
         name = str(key).lower()
+        # Django settings loaded with namespace="CELERY" keep their prefix in the keys, and
+        # CELERY_CELERY_LOCK_TTL is read as celery_lock_ttl (settings.md).
+        namespaced = name.startswith("celery_celery_lock_")
+        name = name.removeprefix("celery_") if namespaced else name
         if name.startswith("celery_lock_") and name not in known:
             meant = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {meant[0]}?)" if meant else ""
+            spelled = [f"CELERY_{m.upper()}" if namespaced else m for m in meant]
+            hint = f" (did you mean {spelled[0]}?)" if spelled else ""
             found.append(
                 f"app.conf has {key}, which is no celery-lock setting, and nothing reads it{hint}"
             )

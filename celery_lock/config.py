@@ -26,6 +26,7 @@ from .store import client_for_url
 __all__ = [
     "DUPLICATE_POLICIES",
     "MAX_SECONDS",
+    "MIN_SECONDS",
     "LockSettings",
     "check_option_names",
     "check_value",
@@ -41,6 +42,11 @@ _REDIS_SCHEMES = ("redis", "rediss", "unix")
 #: any TTL that means something (a done TTL of ten years is "for ever"), and far inside what the
 #: scripts' Lua numbers hold exactly (whole milliseconds up to 2**53, some 285,000 years).
 MAX_SECONDS = 10 * 365 * 24 * 3600.0
+#: The shortest each duration may be, in seconds. A lease shorter than a tenth of a second
+#: lapses within a stall of the pool process; and the heartbeat waits the shortest interval it
+#: has seen even while no lease is held, so an interval of microseconds kept a core busy for
+#: good. The done TTL is in whole milliseconds.
+MIN_SECONDS = {"ttl": 0.1, "heartbeat_interval": 0.01, "done_ttl": 0.001}
 
 # redis-py's own URL parser (what Redis.from_url runs), typed: redis-py leaves it unannotated.
 _parse_redis_url: Callable[[str], dict[str, Any]] = connection.parse_url
@@ -142,6 +148,9 @@ def _connection_problem(url: str) -> str | None:
             # CERT_REQUIRED is how Celery's own settings (and error messages) spell it.
             hint = " (redis-py spells ssl_cert_reqs none, optional or required, on rediss:// only)"
         return f"redis-py cannot connect with this URL: {text}{hint}"
+    problem = _connection_value_problem(pool.connection_kwargs)
+    if problem is not None:
+        return problem
     if pool.connection_kwargs.get("decode_responses"):
         # redis-py passes the query's text on as it is, so "False" decodes too. The lock store
         # reads bytes: a hand-on marker is not UTF-8, and decoding it would fail every copy.
@@ -158,6 +167,25 @@ def _connection_problem(url: str) -> str | None:
     return None
 
 
+def _connection_value_problem(kwargs: Mapping[str, Any]) -> str | None:
+    """A value redis-py takes from the URL without a check, which then fails every connection
+    (a negative or NaN timeout raises in the socket call) or every command (a negative
+    database, a client name with a space: the server's error reply to the handshake)."""
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        seconds = kwargs.get(name)
+        # 0 would make the socket non-blocking: every read would fail at once.
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            return f"{name} must be a positive number of seconds, got {seconds!r}"
+    database = kwargs.get("db", 0)
+    if isinstance(database, int) and database < 0:
+        return f"the database must be 0 or more, got {database}"
+    client_name = kwargs.get("client_name")
+    # What CLIENT SETNAME accepts: printable ASCII, no space.
+    if client_name and not all("!" <= char <= "~" for char in str(client_name)):
+        return f"client_name {client_name!r} holds a space or a character Redis refuses"
+    return None
+
+
 def conf_value(conf: Mapping[str, Any], setting: str) -> tuple[Any, str]:
     """The value of ``setting`` in ``conf`` and the name it was found under: the lower-case
     name, else the upper-case one (``CELERY_LOCK_TTL``), as Celery reads its own old names."""
@@ -165,6 +193,19 @@ def conf_value(conf: Mapping[str, Any], setting: str) -> tuple[Any, str]:
     if value is None:
         return conf.get(setting.upper()), setting.upper()
     return value, setting
+
+
+def _seconds_of(field: str) -> Callable[[str, Any], float]:
+    """The validator of the duration ``field``: seconds, from its minimum to ten years."""
+
+    def validate(setting: str, value: Any) -> float:
+        seconds = _positive_seconds(setting, value)
+        least = MIN_SECONDS[field]
+        if seconds < least:
+            raise ConfigurationError(setting, f"must be at least {least} seconds, got {value!r}")
+        return seconds
+
+    return validate
 
 
 def _positive_seconds(setting: str, value: Any) -> float:
@@ -286,8 +327,9 @@ class LockSettings:
         module of upper-case names, or Django's settings, give ``app.conf``. The lower-case
         name wins when both are set.
 
-        ``check_together=False`` checks each value on its own only: for task options checked
-        at class creation, before ``app.conf`` is known.
+        ``check_together=False`` checks each value on its own, and the values together only
+        where the task options give both (``lock_ttl`` and ``lock_heartbeat_interval``): for
+        task options checked at class creation, before ``app.conf`` is known.
 
         Raises:
             ConfigurationError: naming the first setting whose value is invalid.
@@ -307,7 +349,7 @@ class LockSettings:
                 values[field.name] = _VALIDATORS[field.name](name, value)
                 names[field.name] = name
         settings = cls(**values)
-        if not check_together:
+        if not check_together and not {"ttl", "heartbeat_interval"} <= from_task:
             return settings
         if settings.heartbeat_interval is not None and settings.heartbeat_interval >= settings.ttl:
             # The TTL is named where it comes from elsewhere than the interval: a task's
@@ -329,10 +371,10 @@ class LockSettings:
 
 _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "redis_url": _url_or_none,
-    "ttl": _positive_seconds,
-    "heartbeat_interval": _positive_seconds,
+    "ttl": _seconds_of("ttl"),
+    "heartbeat_interval": _seconds_of("heartbeat_interval"),
     "on_duplicate": _on_duplicate,
-    "done_ttl": _positive_seconds,
+    "done_ttl": _seconds_of("done_ttl"),
     "key_prefix": _prefix,
     "fail_open": _flag,
     "skip_as_success": _flag,

@@ -656,6 +656,16 @@ class KeyDeriver:
                 )
             previous = template_field
             names.append((root, template_field))
+        spelled = (n for n in self.signature.parameters if re.search(rf"\b{n}\b", self.spec))
+        if not names and (argument := next(spelled, None)) is not None:
+            # "{{request_idx}}" (as Jinja writes a field) is the literal text "{request_idx}":
+            # every call would be one request, and all but the first skipped as its duplicates.
+            # A template of other text alone ("{{global}}") is one request on purpose.
+            raise LockKeyError(
+                f"lock_key template {self.spec!r} names no argument ('{{{{' and '}}}}' are "
+                f"literal braces): write the field as '{{{argument}}}'",
+                task_name=self.task_name,
+            )
         return names
 
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:

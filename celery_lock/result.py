@@ -11,6 +11,7 @@ that holds (or completed) its request::
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from typing import Any
@@ -65,6 +66,9 @@ def follow(
     Raises:
         TypeError: ``result`` is not one ``AsyncResult`` (a group's ``GroupResult``: follow each
             of its ``results``).
+        ValueError: ``timeout`` or ``grace`` is negative or not finite, ``interval`` is not
+            more than 0, or ``max_hops`` is not a whole number of 0 or more (TypeError where
+            one is not a number at all), before any wait.
         RuntimeError: called inside a task (with ``disable_sync_subtasks``), before any wait.
         celery.exceptions.TimeoutError: nothing was ready within ``timeout``.
         celery_lock.ConfigurationError: the copy was skipped, and the result backend is
@@ -85,6 +89,7 @@ def follow(
             f"follow() takes one AsyncResult, not a {type(result).__name__}: follow each of "
             "its results instead"
         )
+    _check_arguments(timeout=timeout, interval=interval, max_hops=max_hops, grace=grace)
     if getattr(result, "ignored", False):
         # A call made with ignore_result stores no state to wait for, skipped or not:
         # AsyncResult.get returns None for it at once, and so does follow.
@@ -237,6 +242,29 @@ def _eager_skip_followed(copy: EagerResult[Any], skipped: SkippedCopy, propagate
         return None
     # Ready: the get() that follows waits for nothing, inside a task or not.
     return held.get(propagate=propagate, disable_sync_subtasks=False) if ready else None
+
+
+def _check_arguments(
+    *, timeout: float | None, interval: float, max_hops: int, grace: float
+) -> None:
+    """Refuse what would wait for ever (``timeout=nan``), fail only after a first wait
+    (``interval=-1``), or poll the backend without a pause (``interval=0``)."""
+    if timeout is not None:
+        _check_seconds("timeout", timeout, zero_allowed=True)
+    _check_seconds("interval", interval, zero_allowed=False)
+    _check_seconds("grace", grace, zero_allowed=True)
+    if isinstance(max_hops, bool) or not isinstance(max_hops, int):
+        raise TypeError(f"follow() max_hops must be a whole number, got {max_hops!r}")
+    if max_hops < 0:
+        raise ValueError(f"follow() max_hops must be 0 or more, got {max_hops!r}")
+
+
+def _check_seconds(name: str, seconds: float, *, zero_allowed: bool) -> None:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"follow() {name} must be a number of seconds, got {seconds!r}")
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero_allowed):
+        bound = "0 or more" if zero_allowed else "more than 0"
+        raise ValueError(f"follow() {name} must be {bound} seconds, got {seconds!r}")
 
 
 def _left(deadline: float | None) -> float | None:

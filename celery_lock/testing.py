@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import math
 import os
 import re
 import shutil
@@ -41,6 +40,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .config import check_value
 from .keys import RequestKeys
 from .lease import Acquired, Holder, Lease, new_token
 from .runtime import lock_store_url, reset_runtime
@@ -126,13 +126,12 @@ def hold(
     Raises:
         RuntimeError: The request is not free: a lease is held, or it is done for the holder's
             task name.
-        ValueError: ``ttl`` is not a finite number of seconds, of a millisecond at least.
+        celery_lock.ConfigurationError: ``ttl`` is not a number of seconds that ``lock_ttl``
+            could be (a ``ValueError``).
     """
-    if ttl is not None and not 0.001 <= ttl < math.inf:
-        raise ValueError(f"ttl must be a finite number of seconds, 0.001 or more; got {ttl!r}")
     settings = task.lock_settings()
     if ttl is not None:
-        settings = dataclasses.replace(settings, ttl=ttl)
+        settings = dataclasses.replace(settings, ttl=check_value("ttl", ttl, "hold() ttl"))
     name = task_name or task.name
     own = task.request_keys(tuple(args), dict(kwargs or {}))
     keys = own if name == task.name else RequestKeys.of_lock(own.lock, name)

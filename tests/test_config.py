@@ -60,6 +60,9 @@ INVALID = [
     ("ttl", 1e100),
     ("ttl", MAX_SECONDS + 1),
     ("heartbeat_interval", 0),
+    ("heartbeat_interval", 0.005),  # the heartbeat would wake 200 times a second, held or not
+    ("ttl", 0.05),  # a lease that lapses within a stall of the pool process
+    ("done_ttl", 0.0001),
     ("heartbeat_interval", -5),
     ("on_duplicate", "maybe"),
     ("on_duplicate", "SKIP"),
@@ -85,6 +88,14 @@ INVALID = [
     ("redis_url", "redis://localhost/0?protocol=4"),
     ("redis_url", "redis://localhost/0?max_connections=1"),
     ("redis_url", "redis://localhost/0?decode_responses=False"),
+    # Values redis-py takes unchecked, which then fail every connection or every command.
+    ("redis_url", "redis://localhost/0?socket_timeout=-1"),
+    ("redis_url", "redis://localhost/0?socket_timeout=nan"),
+    ("redis_url", "redis://localhost/0?socket_timeout=0"),
+    ("redis_url", "redis://localhost/0?socket_connect_timeout=inf"),
+    ("redis_url", "redis://localhost/-1"),
+    ("redis_url", "redis://localhost/?db=-1"),
+    ("redis_url", "redis://localhost/0?client_name=lock%20store"),
     ("redis_url", "redis://[::1"),  # urllib's ValueError, not a traceback
     ("redis_url", "redis://[zz]/0"),
     ("redis_url", "unix://"),
@@ -466,6 +477,29 @@ def test_invalid_task_option_fails_at_class_creation(app: Celery, option: str, v
             base=LockedTask, name="config_tests.bad", shared=False, lazy=False, **{option: value}
         )
         def bad(request_idx: Any) -> None:
+            pass
+
+
+def test_a_task_s_interval_not_shorter_than_its_own_ttl_fails_at_class_creation(
+    app: Celery,
+) -> None:
+    # Both from the decorator: the clash need not wait for the first call, or for the worker
+    # to refuse to start for every task of the app.
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^config_tests\.clash\.lock_heartbeat_interval: must be shorter than the lease "
+        r"TTL \(10\.0s\), got 100\.0s",
+    ):
+
+        @app.task(
+            base=LockedTask,
+            name="config_tests.clash",
+            shared=False,
+            lazy=False,
+            lock_ttl=10,
+            lock_heartbeat_interval=100,
+        )
+        def clash(request_idx: Any) -> None:
             pass
 
 

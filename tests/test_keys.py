@@ -1063,6 +1063,20 @@ def test_an_invalid_lock_scope_fails_at_class_creation(scope: Any) -> None:
             pass
 
 
+@pytest.mark.parametrize("template", ["{{request_idx}}", "{{ request_idx }}", "id-{{request_idx}}"])
+def test_a_template_whose_only_field_is_escaped_fails_at_class_creation(template: str) -> None:
+    # Doubled braces are literal text: every call would key one request, and all but the first
+    # would be skipped as its duplicates. ("{{global}}", which names no argument, is one request
+    # on purpose: test_a_template_without_fields_is_one_constant_key.)
+    with pytest.raises(
+        LockKeyError, match=r"keys_tests\.constant: .* names no argument .* '\{request_idx\}'"
+    ):
+
+        @app.task(name="keys_tests.constant", lock_key=template, **TASK_OPTIONS)
+        def constant(request_idx: Any) -> None:
+            pass
+
+
 @pytest.mark.parametrize("template", ["{0}", "{}", "{0}:{request_idx}", "{0.x}"])
 def test_positional_template_fails_at_class_creation(template: str) -> None:
     with pytest.raises(LockKeyError, match=r"keys_tests\.positional: .* must name its fields"):

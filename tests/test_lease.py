@@ -370,9 +370,15 @@ def test_fences_keep_increasing_after_the_counter_is_evicted_or_the_store_restar
 
 
 def _replicated(primary: redis.Redis, replica: redis.Redis) -> None:
-    """Wait (bounded) until ``replica`` has applied everything ``primary`` has written."""
-    offset = primary.info("replication")["master_repl_offset"]
+    """Wait (bounded) until ``replica`` has applied everything ``primary`` has written.
+
+    The link must be up first: until the first sync, a replica reports an offset of 1, and a
+    primary that had no replica yet reports 0, so the offsets alone read as caught up."""
     deadline = time.monotonic() + 10
+    while replica.info("replication").get("master_link_status") != "up":
+        assert time.monotonic() < deadline, "the replica did not sync"
+        time.sleep(0.02)
+    offset = primary.info("replication")["master_repl_offset"]
     while replica.info("replication").get("slave_repl_offset", -1) < offset:
         assert time.monotonic() < deadline, "the replica did not catch up"
         time.sleep(0.02)

@@ -105,6 +105,32 @@ def test_follow_refuses_a_group_s_result(celery_app: Celery) -> None:
         follow(group_result, timeout=TIMEOUT)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("argument", "error", "problem"),
+    [
+        ({"timeout": float("nan")}, ValueError, "timeout must be 0 or more seconds"),
+        ({"timeout": -1}, ValueError, "timeout must be 0 or more seconds"),
+        ({"interval": 0}, ValueError, "interval must be more than 0 seconds"),
+        ({"interval": -1}, ValueError, "interval must be more than 0 seconds"),
+        ({"interval": "0.1"}, TypeError, "interval must be a number of seconds"),
+        ({"grace": "x"}, TypeError, "grace must be a number of seconds"),
+        ({"grace": float("inf")}, ValueError, "grace must be 0 or more seconds"),
+        ({"max_hops": -1}, ValueError, "max_hops must be 0 or more"),
+        ({"max_hops": 2.5}, TypeError, "max_hops must be a whole number"),
+    ],
+    ids=lambda value: repr(value) if isinstance(value, dict) else "",
+)
+def test_follow_refuses_an_argument_it_cannot_wait_with_before_any_wait(
+    celery_app: Celery, argument: dict[str, Any], error: type[Exception], problem: str
+) -> None:
+    # A result that already succeeded: without the check, max_hops=-1 raised TimeoutError
+    # for it, timeout=nan waited on others for ever, and interval=0 polled without a pause.
+    result = AsyncResult("done-already", app=celery_app)
+    celery_app.backend.store_result(result.id, 7, "SUCCESS")
+    with pytest.raises(error, match=f"follow\\(\\) {problem}"):
+        follow(result, **argument)
+
+
 def test_follow_returns_none_at_once_for_a_call_that_ignores_its_result(celery_app: Celery) -> None:
     @celery_app.task(base=LockedTask, lock_key="request_idx", name="r.quiet", shared=False)
     def quiet(request_idx: int) -> int:

@@ -211,6 +211,25 @@ def test_a_misspelled_setting_is_warned_about_at_start() -> None:
     assert not any("CELERY_LOCK_TTL" in w for w in checks.warn_at_startup(app, {}))
 
 
+def test_a_misspelled_django_setting_under_the_celery_namespace_is_warned_about() -> None:
+    """settings.md: Django settings loaded with namespace="CELERY" spell the settings
+    CELERY_CELERY_LOCK_*. A misspelled one was read by nothing, and said nothing."""
+
+    class DjangoSettings:
+        CELERY_BROKER_URL = "redis://127.0.0.1:1/0"
+        CELERY_CELERY_LOCK_ON_DUPLICATES = "raise"
+        CELERY_CELERY_LOCK_TTL = 30  # read, and known
+
+    app = Celery("claims_django", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    assert LockSettings.resolve(app.conf).ttl == 30.0
+    warnings = checks.unknown_settings(app.conf)
+    assert warnings == [
+        "app.conf has CELERY_CELERY_LOCK_ON_DUPLICATES, which is no celery-lock setting, and "
+        "nothing reads it (did you mean CELERY_CELERY_LOCK_ON_DUPLICATE?)"
+    ]
+
+
 def test_a_lock_store_user_shut_out_of_the_key_prefix_is_warned_about_at_start() -> None:
     """A broker user confined by ACL to its global_keyprefix, the lock store defaulting to the
     broker URL: every task fails (NOPERM on the acquire), yet the start-up checks said nothing

@@ -1279,6 +1279,19 @@ def test_check_canvas_lets_a_canvas_whose_fixed_steps_have_keys_through(
     assert published == []
 
 
+@pytest.mark.parametrize(
+    "not_a_canvas",
+    [lambda t: t["process"], lambda t: "t.process", lambda t: 7, lambda t: None],
+    ids=["the-task-itself", "its-name", "an-int", "none"],
+)
+def test_check_canvas_refuses_what_is_not_a_canvas(
+    tasks: dict[str, Any], not_a_canvas: Callable[[dict[str, Any]], Any]
+) -> None:
+    # process for process.s(7): nothing was checked, and nothing said so.
+    with pytest.raises(TypeError, match=r"^check_canvas\(\) takes a signature .*, not "):
+        check_canvas(not_a_canvas(tasks), app=tasks["process"].app)
+
+
 def test_a_group_check_canvas_let_through_runs(
     worker: Any, tasks: dict[str, Any], calls: Calls
 ) -> None:

@@ -23,7 +23,14 @@ from celery.signals import worker_process_init
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_lock import LockContendedError, LockedTask, follow, install, is_skipped
+from celery_lock import (
+    ConfigurationError,
+    LockContendedError,
+    LockedTask,
+    follow,
+    install,
+    is_skipped,
+)
 from celery_lock.runtime import get_runtime
 from celery_lock.testing import (
     REDIS_SERVER_ENV,
@@ -465,8 +472,13 @@ def test_hold_with_a_short_ttl_lapses(locked_app: Celery) -> None:
     with hold(process, kwargs={"idx": 11}, ttl=0.2) as lease:
         time.sleep(0.4)  # no heartbeat extends it
         assert process(11) == lease.fence + 1
-    for ttl in (0, -1, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="ttl"), hold(process, (11,), ttl=ttl):
+    # A lock_ttl could not be any of these: True (a bool as 1 s), ten years and more (the
+    # acquire script refused it, as no integer), a lease that lapses within a stall.
+    for ttl in (0, -1, float("nan"), float("inf"), True, 1e17, 0.01):
+        with (
+            pytest.raises(ConfigurationError, match=r"^hold\(\) ttl: "),
+            hold(process, (11,), ttl=ttl),
+        ):
             pass
 
 
