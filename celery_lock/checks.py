@@ -58,10 +58,11 @@ from kombu.utils.imports import symbol_by_name
 from redis.connection import parse_url
 
 from .config import LockSettings, conf_value, passwords_masked
+from .delivery import visibility_timeout
 from .exceptions import ConfigurationError
 from .keys import RequestKeys
 from .request import LockedRequest
-from .runtime import first_broker_url, lock_store_url
+from .runtime import lock_store_url
 from .store import (
     REFUSED_ERRORS,
     TRANSIENT_ERRORS,
@@ -90,36 +91,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Kombu's default visibility timeout for the Redis transports (one hour).
-DEFAULT_VISIBILITY_TIMEOUT = 3600.0
-# The kombu transports that redeliver an unacked message after ``visibility_timeout``, by the
-# broker URL's scheme (kombu's aliases, lower-cased), with kombu's default for each: Redis and
-# Sentinel (kombu.transport.redis: one hour), SQS, SoftLayer MQ and pgmq (30 minutes).
-_VISIBILITY_TRANSPORTS = {
-    "redis": DEFAULT_VISIBILITY_TIMEOUT,
-    "rediss": DEFAULT_VISIBILITY_TIMEOUT,
-    "redis+socket": DEFAULT_VISIBILITY_TIMEOUT,
-    "sentinel": DEFAULT_VISIBILITY_TIMEOUT,
-    "sqs": 1800.0,
-    "slmq": 1800.0,
-    "pgmq": 1800.0,
-}
-
-
-def _visibility_timeout(app: Celery) -> float | None:
-    broker = first_broker_url(app)  # the first of failover brokers: kombu starts there
-    default = _VISIBILITY_TRANSPORTS.get(broker.split("://", 1)[0].lower())
-    if default is None:
-        return None
-    options = app.conf.broker_transport_options or {}
-    configured = options.get("visibility_timeout")
-    return default if configured is None else float(configured)
-
 
 def settings_warnings(app: Celery, name: str, settings: LockSettings) -> list[str]:
     """What in ``settings`` (of task ``name``) contradicts the guarantees."""
     found = []
-    visibility = _visibility_timeout(app)
+    visibility = visibility_timeout(app)
     if visibility is not None and settings.done_ttl < visibility:
         found.append(
             f"{name}: done TTL ({settings.done_ttl:g}s) is shorter than the broker's visibility "

@@ -18,18 +18,48 @@ from kombu import Exchange, Queue, serialization
 from kombu.common import Broadcast
 
 from .request import CONTENT_TYPE_FIELD
+from .runtime import first_broker_url
 
 try:
     from celery.utils.quorum_queues import detect_quorum_queues as _detect_quorum_queues
 except ImportError:  # Celery before 5.5: no native delayed delivery
     _detect_quorum_queues = None  # type: ignore[assignment]
 
-__all__ = ["copy_delivery"]
+__all__ = ["DEFAULT_VISIBILITY_TIMEOUT", "copy_delivery", "visibility_timeout"]
 
 #: Where _native_delayed_delivery keeps its answer on the app.
 _NATIVE_DELAY = "_celery_lock_native_delay"
 #: kombu's prefix of a delayed message's routing key: the delay's 28 bits, one per level.
 _DELAY_PREFIX = re.compile(r"^(?:[01]\.){28}")
+
+#: Kombu's default visibility timeout for the Redis transports (one hour).
+DEFAULT_VISIBILITY_TIMEOUT = 3600.0
+# The kombu transports that redeliver an unacked message after ``visibility_timeout``, by the
+# broker URL's scheme (kombu's aliases, lower-cased), with kombu's default for each: Redis and
+# Sentinel (kombu.transport.redis: one hour), SQS, SoftLayer MQ and pgmq (30 minutes).
+_VISIBILITY_TRANSPORTS = {
+    "redis": DEFAULT_VISIBILITY_TIMEOUT,
+    "rediss": DEFAULT_VISIBILITY_TIMEOUT,
+    "redis+socket": DEFAULT_VISIBILITY_TIMEOUT,
+    "sentinel": DEFAULT_VISIBILITY_TIMEOUT,
+    "sqs": 1800.0,
+    "slmq": 1800.0,
+    "pgmq": 1800.0,
+}
+#: The share of the broker's visibility timeout a deferred copy may wait, at most.
+_SHARE_OF_VISIBILITY = 0.5
+
+
+def visibility_timeout(app: Celery) -> float | None:
+    """After how many seconds ``app``'s broker delivers an unacked message again, ``None``
+    where it does not (RabbitMQ)."""
+    broker = first_broker_url(app)  # the first of failover brokers: kombu starts there
+    default = _VISIBILITY_TRANSPORTS.get(broker.split("://", 1)[0].lower())
+    if default is None:
+        return None
+    options = app.conf.broker_transport_options or {}
+    configured = options.get("visibility_timeout")
+    return default if configured is None else float(configured)
 
 
 def copy_delivery(app: Celery, request: Any, countdown: float) -> tuple[float, dict[str, Any]]:
@@ -45,7 +75,15 @@ def copy_delivery(app: Celery, request: Any, countdown: float) -> tuple[float, d
     to whole seconds, at least 1; and the copy names the queue it came from, since that
     delivery routes by the queue's routing key and Celery would take the default queue's
     (also for a message that came by a routing key of its own, through a topic binding).
+
+    On a broker that delivers an unacked message again after a visibility timeout (Redis, SQS),
+    the countdown is at most half of it. The copy waits in a worker as an ETA message, unacked:
+    one that waits past the timeout is delivered again beside itself, both copies are deferred
+    again, and the copies double every round while the holder runs.
     """
+    visibility = visibility_timeout(app)
+    if visibility is not None:
+        countdown = min(countdown, visibility * _SHARE_OF_VISIBILITY)
     options: dict[str, Any] = {}
     serializer = _serializer_of(request)
     if serializer is not None:

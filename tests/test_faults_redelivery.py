@@ -383,6 +383,39 @@ def test_a_redelivered_copy_deferred_past_its_expiry_leaves_the_running_original
     assert ran(record) == [(result.id, first["fence"])]
 
 
+def test_deferred_copies_of_a_long_running_message_do_not_double_past_the_visibility_timeout(
+    start_worker: Callable[..., CeleryWorker],
+    producer: Celery,
+    record: Record,
+    broker: redis.Redis,
+) -> None:
+    # A deferred copy waits in the worker as an ETA message, unacked: one that waited past the
+    # visibility timeout came back beside itself, each copy was deferred again, and the copies
+    # doubled every round while the holder ran (1 -> 4 -> 14 -> 35 in a review's run).
+    start_worker(
+        FAULT_VISIBILITY_TIMEOUT=str(VISIBILITY_TIMEOUT),
+        FAULT_RESTORE_INTERVAL="60",
+        FAULT_LOCK_TTL="30",  # the holder's lease bounds no deferral below the backoff's 4 s
+    )
+    result = producer.send_task(TASK, args=(1, 8.0))
+    first = wait_started(record)
+    sleep_past_visibility_timeout(first)
+    most_messages = 0
+    deadline = time.monotonic() + TIMEOUT
+    while result.state not in READY_STATES and time.monotonic() < deadline:
+        force_visibility_timeout(producer, VISIBILITY_TIMEOUT)  # as a worker sweeps, sooner
+        most_messages = max(most_messages, broker.llen("celery") + broker.hlen("unacked"))
+        time.sleep(0.3)
+
+    assert wait_state(result, "SUCCESS") <= {"PENDING", "STARTED", "SUCCESS"}
+    wait_for("the deferred copies to be acked", lambda: broker_idle(broker), TIMEOUT)
+    assert ran(record) == [(result.id, first["fence"])]
+    deferred = record.deferred()
+    assert len(deferred) >= 4, "too few rounds to have doubled"
+    assert max(d["countdown"] for d in deferred) <= VISIBILITY_TIMEOUT / 2
+    assert most_messages <= 2, f"{most_messages} messages of one task id at once"
+
+
 def test_deferred_redelivery_survives_when_the_running_original_is_killed(
     start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
 ) -> None:
