@@ -25,7 +25,7 @@ try:
 except ImportError:  # Celery before 5.5: no native delayed delivery
     _detect_quorum_queues = None  # type: ignore[assignment]
 
-__all__ = ["DEFAULT_VISIBILITY_TIMEOUT", "copy_delivery", "visibility_timeout"]
+__all__ = ["DEFAULT_VISIBILITY_TIMEOUT", "copy_delivery", "visibility_timeout", "within_visibility"]
 
 #: Where _native_delayed_delivery keeps its answer on the app.
 _NATIVE_DELAY = "_celery_lock_native_delay"
@@ -48,6 +48,18 @@ _VISIBILITY_TRANSPORTS = {
 }
 #: The share of the broker's visibility timeout a deferred copy may wait, at most.
 _SHARE_OF_VISIBILITY = 0.5
+
+
+def within_visibility(app: Celery, countdown: float) -> float:
+    """``countdown``, or half the broker's visibility timeout where that is shorter, for a
+    deferred copy. The copy waits in a worker as an ETA message, unacked: one that waits past
+    the timeout is delivered again beside itself, both copies are deferred again, and the copies
+    double every round while the holder runs. (A retry's countdown is the caller's, as Celery
+    takes it: Celery's docs say to keep it under the visibility timeout.)"""
+    visibility = visibility_timeout(app)
+    if visibility is None:
+        return countdown
+    return min(countdown, visibility * _SHARE_OF_VISIBILITY)
 
 
 def visibility_timeout(app: Celery) -> float | None:
@@ -75,15 +87,7 @@ def copy_delivery(app: Celery, request: Any, countdown: float) -> tuple[float, d
     to whole seconds, at least 1; and the copy names the queue it came from, since that
     delivery routes by the queue's routing key and Celery would take the default queue's
     (also for a message that came by a routing key of its own, through a topic binding).
-
-    On a broker that delivers an unacked message again after a visibility timeout (Redis, SQS),
-    the countdown is at most half of it. The copy waits in a worker as an ETA message, unacked:
-    one that waits past the timeout is delivered again beside itself, both copies are deferred
-    again, and the copies double every round while the holder runs.
     """
-    visibility = visibility_timeout(app)
-    if visibility is not None:
-        countdown = min(countdown, visibility * _SHARE_OF_VISIBILITY)
     options: dict[str, Any] = {}
     serializer = _serializer_of(request)
     if serializer is not None:

@@ -66,7 +66,7 @@ except ImportError:  # Celery before 5.6.3
 
 from . import signals
 from .config import LockSettings, check_option_names
-from .delivery import copy_delivery
+from .delivery import copy_delivery, within_visibility
 from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event, send_task_event_apart
 from .exceptions import (
     ConfigurationError,
@@ -1013,7 +1013,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
         # for its parent: a copy of a top-level call would be its own parent. Celery lays the
         # headers given over its own, so this one keeps the message's (None included).
         headers["parent_id"] = request.parent_id
-        countdown, options = copy_delivery(self.app, request, self._defer_delay(deferrals, pttl_ms))
+        delay = within_visibility(self.app, self._defer_delay(deferrals, pttl_ms))
+        countdown, options = copy_delivery(self.app, request, delay)
         options.update(_shown_arguments(request))
         # Celery before 5.6.3 copies a request without the call's ignore_result: the copy
         # would take the task's, and store the result the caller declined.
