@@ -725,6 +725,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
         ``kwargsrepr``, which Celery's copy of the request drops (events and Flower would show
         the arguments they hide), and the call's ``ignore_result``, which Celery before 5.6.3
         drops (the retry would store the result the caller declined).
+
+        A retry whose publish fails gives the message back to the broker (``Reject`` with
+        requeue), where Celery would reject it without: the request, neither done nor handed
+        on, would be lost.
         """
         request = self.request
         if not (request.is_eager or request.called_directly):
@@ -734,6 +738,13 @@ class LockedTask(Task):  # type: ignore[type-arg]
         except Retry:
             self._note_retry_sent()
             raise
+        except Reject as rejected:
+            # Celery rejects the message without requeue when the retry's publish fails: the
+            # request, neither done nor handed on, would be lost. Given back, as a deferral
+            # whose publish fails is; the lease goes without a done-marker, as for any error.
+            if getattr(rejected, "requeue", True):  # celery-types has neither attribute
+                raise
+            raise Reject(getattr(rejected, "reason", None), requeue=True) from rejected
         self._note_retry_sent()
         return signature
 

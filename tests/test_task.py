@@ -131,6 +131,17 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
             return "first, retry sent"
         return "the retry ran"
 
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="request_idx", name="t.unsent", max_retries=3
+    )
+    def unsent(self: Any, request_idx: int) -> str:
+        # Its first run's retry cannot be published (no such serializer), as a broker that
+        # refuses it (a full queue, a nack) would fail it.
+        seen(self)
+        if calls.count("t.unsent") == 1:
+            raise self.retry(countdown=0.1, serializer="no-such-serializer")
+        return "run again"
+
     @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.boom")
     def boom(self: Any, request_idx: int) -> None:
         seen(self)
@@ -238,7 +249,7 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
         nothing.apply_async(link=step)
         return str(step.id)
 
-    every = [process, pending, stage, flaky, resend, boom, slow, walk, hop, page, handoff]
+    every = [process, pending, stage, flaky, resend, unsent, boom, slow, walk, hop, page, handoff]
     every += [relay, quiet, tags, nothing, hooked, sender, fan]
     return {t.name.split(".", 1)[1]: t for t in every}
 
@@ -806,6 +817,16 @@ def test_self_retry_releases_without_done_marker(
 ) -> None:
     assert tasks["flaky"].delay(7).get(timeout=TIMEOUT) == "second time lucky"
     assert [call["retries"] for call in calls.seen] == [0, 1]
+    assert consecutive([call["fence"] for call in calls.seen])
+
+
+def test_a_retry_that_cannot_be_published_gives_the_message_back(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    # Celery rejects the message without requeue when a retry's publish fails: the request,
+    # never done, was dropped (FAILURE, nothing left to run it). Given back, it runs again.
+    assert tasks["unsent"].delay(7).get(timeout=TIMEOUT) == "run again"
+    assert [call["retries"] for call in calls.seen] == [0, 0]  # no retry was sent
     assert consecutive([call["fence"] for call in calls.seen])
 
 
