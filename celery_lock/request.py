@@ -13,7 +13,7 @@ A task with a request class of its own should derive it from :class:`LockedReque
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]  # not in celery-types
 from celery.exceptions import Ignore
@@ -75,6 +75,18 @@ class LockedRequest(Request):
         super().__init__(*args, **kwargs)
         # The pool process sees the request's dict alone (as task.request).
         self.request_dict[CONTENT_TYPE_FIELD] = self.content_type
+
+    def maybe_expire(self) -> Literal[True] | None:
+        """Celery's expiry check, except for a message the broker delivers again (a Redis
+        visibility timeout, a worker that died): its first delivery was accepted before it
+        expired, and may be running still. Expired here, in the main process, it stored
+        ``REVOKED`` under the task id its first delivery runs as, and its ack took that
+        delivery's message off the broker (on Redis, one delivery tag). It goes to the pool
+        instead: deferred while its first delivery holds the request, acked once that one is
+        done, run if that one died."""
+        if self.delivery_info.get("redelivered"):
+            return None  # as Celery's for a message not expired
+        return super().maybe_expire()
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
