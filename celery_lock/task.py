@@ -45,6 +45,7 @@ import inspect
 import logging
 import os
 import random
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from time import monotonic as _monotonic
@@ -690,6 +691,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
             # a copy of this task id on its way: a done-marker would have it acked unrun.
             success = not lease.retry_sent
             return result
+        except BaseException as exc:
+            if _cut_by_cold_shutdown(exc, request, lease):
+                # The release below goes first: no done-marker, the lock deleted.
+                raise Reject(repr(exc), requeue=True) from exc
+            raise
         finally:
             self._release(lease, settings, heartbeat, success=success)
 
@@ -1076,6 +1082,32 @@ class LockedTask(Task):  # type: ignore[type-arg]
         lapse = max(pttl_ms / 1000, DEFER_MIN_DELAY) if pttl_ms > 0 else DEFER_MAX_DELAY
         jitter = random.uniform(0.8, 1.2)
         return float(min(backoff, lapse, DEFER_MAX_DELAY) * jitter)
+
+
+def _cut_by_cold_shutdown(exc: BaseException, request: Any, lease: Lease) -> bool:
+    """Whether ``exc`` cut a worker's run short in the worker's cold shutdown (``SIGQUIT``, a
+    second Ctrl+C, the end of ``worker_soft_shutdown_timeout``), which a prefork worker's
+    message survives: its pool process dies, and the message goes back to the broker. Where
+    the body runs in the worker's own process, it does not: under ``-P solo`` the shutdown's
+    ``terminate_job`` raises ``NotImplementedError`` in the body, and Celery acks the failure;
+    under gevent and eventlet it kills the body's greenlet, and Celery acks that as a success
+    with no result. Either way the request, never done, was lost."""
+    if request.is_eager or request.called_directly or lease.retry_sent:
+        return False  # a retry sent: the request is on its way already
+    if isinstance(exc, Retry | Ignore | Reject):
+        return False
+    from celery.worker import state  # noqa: PLC0415 - on this exception path alone
+
+    # Celery sets it as the signal's handler returns, before the exception reaches the body.
+    terminating = state.should_terminate
+    if terminating is not None and terminating is not False:
+        return True
+    # Eventlet's kill runs the killed greenlet at once, inside the handler: before the flag is
+    # set. A greenlet killed from outside is the shutdown's, unless a revoke(terminate=True)
+    # killed it, which put the task id in the worker's revoked set first (and acks it itself).
+    greenlet = sys.modules.get("greenlet")
+    killed = greenlet is not None and isinstance(exc, greenlet.GreenletExit)
+    return killed and request.id not in state.revoked
 
 
 def _root_id(request: Any) -> str:

@@ -9,6 +9,7 @@ lease was held, extended by the heartbeat, from the grant to the release.
 from __future__ import annotations
 
 import re
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -110,3 +111,59 @@ def test_under_a_green_pool_a_body_that_yields_keeps_its_lease_and_the_worker_wa
         r"that holds the hub .* for a whole lease TTL loses its lease unnoticed",
         worker.log(),
     ), worker.log()
+
+
+@pytest.mark.parametrize("pool", ["solo", "gevent", "eventlet"])
+def test_a_body_cut_short_by_a_cold_shutdown_gives_its_message_back(
+    pool: str,
+    spawn_worker: Callable[..., CeleryWorker],
+    worker_env: dict[str, str],
+    make_producer: Callable[..., Celery],
+    lock_redis: redis.Redis,
+) -> None:
+    # These pools run the body in the worker's own process: a cold shutdown (SIGQUIT) raises
+    # in it under solo (Celery acked the FAILURE), or kills its greenlet (Celery acked a
+    # success with no result, PENDING for ever). Either way the request was lost; a prefork
+    # worker's message comes back, as its pool process dies.
+    worker = spawn_worker(APP, worker_env, pool=pool, concurrency=2)
+    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
+    result = app.send_task("storm.long", args=(1,), kwargs={"seconds": 4.0})
+    lock = RequestKeys.build("celery-lock", "storm.long", "1", "storm.long").lock
+    wait_for("the body's lease", lambda: lock_redis.get(lock), TIMEOUT)
+    worker.send_signal(signal.SIGQUIT)
+    worker.wait(TIMEOUT)
+    assert lock_redis.get(lock) is None  # released without a done-marker
+    assert done_by(lock_redis, "storm.long") is None
+    assert result.state not in states.READY_STATES
+
+    spawn_worker(APP, worker_env, concurrency=1)  # the message is back: it runs to its end
+    assert result.get(timeout=TIMEOUT) == 1
+    assert recorded_runs(worker_env) == 1
+    assert done_by(lock_redis, "storm.long") == result.id.encode()
+
+
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_a_body_revoked_with_terminate_under_a_green_pool_is_not_given_back(
+    pool: str,
+    spawn_worker: Callable[..., CeleryWorker],
+    worker_env: dict[str, str],
+    make_producer: Callable[..., Celery],
+    lock_redis: redis.Redis,
+) -> None:
+    # A revoke(terminate=True) kills the greenlet as a cold shutdown does; the message of a
+    # body revoked stays acked (REVOKED), not given back to run again.
+    spawn_worker(APP, worker_env, pool=pool, concurrency=2)
+    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
+    result = app.send_task("storm.long", args=(1,), kwargs={"seconds": 4.0})
+    lock = RequestKeys.build("celery-lock", "storm.long", "1", "storm.long").lock
+    wait_for("the body's lease", lambda: lock_redis.get(lock), TIMEOUT)
+    result.revoke(terminate=True)
+    wait_for("REVOKED", lambda: result.state == states.REVOKED, TIMEOUT)
+    broker = redis.Redis.from_url(worker_env["STORM_BROKER_URL"])
+    try:
+        time.sleep(5.0)  # past the body's own end: a copy given back would have run by now
+        assert (broker.llen("celery"), broker.hlen("unacked")) == (0, 0)
+    finally:
+        broker.close()
+    assert recorded_runs(worker_env) == 0
+    assert lock_redis.get(lock) is None
