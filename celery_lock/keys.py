@@ -656,8 +656,10 @@ class KeyDeriver:
                 )
             previous = template_field
             names.append((root, template_field))
-        spelled = (n for n in self.signature.parameters if re.search(rf"\b{n}\b", self.spec))
-        if not names and (argument := next(spelled, None)) is not None:
+        escaped = (
+            n for n in self.signature.parameters if re.search(rf"{{{{\s*{n}\s*}}}}", self.spec)
+        )
+        if not names and (argument := next(escaped, None)) is not None:
             # "{{request_idx}}" (as Jinja writes a field) is the literal text "{request_idx}":
             # every call would be one request, and all but the first skipped as its duplicates.
             # A template of other text alone ("{{global}}") is one request on purpose.

@@ -78,12 +78,12 @@ class LockedRequest(Request):
 
     def maybe_expire(self) -> Literal[True] | None:
         """Celery's expiry check, except for a message the broker delivers again (a Redis
-        visibility timeout, a worker that died): its first delivery was accepted before it
-        expired, and may be running still. Expired here, in the main process, it stored
-        ``REVOKED`` under the task id its first delivery runs as, and its ack took that
+        visibility timeout, a worker that died or stopped): its first delivery was accepted
+        before it expired, and may be running still. Expired here, in the main process, it
+        stored ``REVOKED`` under the task id its first delivery runs as, and its ack took that
         delivery's message off the broker (on Redis, one delivery tag). It goes to the pool
         instead: deferred while its first delivery holds the request, acked once that one is
-        done, run if that one died."""
+        done, and revoked there if no run holds it (``LockedTask``'s acquire is granted)."""
         if self.delivery_info.get("redelivered"):
             return None  # as Celery's for a message not expired
         return super().maybe_expire()

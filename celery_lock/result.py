@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 import weakref
 from typing import Any
@@ -253,14 +254,15 @@ def _check_arguments(
         _check_seconds("timeout", timeout, zero_allowed=True)
     _check_seconds("interval", interval, zero_allowed=False)
     _check_seconds("grace", grace, zero_allowed=True)
-    if isinstance(max_hops, bool) or not isinstance(max_hops, int):
+    if isinstance(max_hops, bool) or not isinstance(max_hops, numbers.Integral):
         raise TypeError(f"follow() max_hops must be a whole number, got {max_hops!r}")
     if max_hops < 0:
         raise ValueError(f"follow() max_hops must be 0 or more, got {max_hops!r}")
 
 
 def _check_seconds(name: str, seconds: float, *, zero_allowed: bool) -> None:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    # numbers.Real: a NumPy number too; not a Decimal, which time.sleep would refuse later.
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
         raise TypeError(f"follow() {name} must be a number of seconds, got {seconds!r}")
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero_allowed):
         bound = "0 or more" if zero_allowed else "more than 0"

@@ -46,17 +46,23 @@ import logging
 import os
 import random
 import sys
+import traceback
 import weakref
 from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
+import redis
+from amqp.exceptions import MessageNacked
 from celery import Signature, Task
 from celery._state import _task_stack  # type: ignore[attr-defined]
 from celery.app.amqp import AMQP
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.states import STARTED
+from celery.utils.time import maybe_iso8601
+from kombu.exceptions import OperationalError
 
 try:
     from celery.app.trace import (  # type: ignore[attr-defined]  # not in celery-types
@@ -119,6 +125,15 @@ _REPLACEMENTS_KEEP_THEIR_DEPTH = (
 #: ``Task.retry``'s parameters in their order, before its publish options.
 _RETRY_PARAMETERS = ("args", "kwargs", "exc", "throw", "eta", "countdown", "max_retries")
 #: First and longest wait before a deferred copy is tried again, in seconds.
+#: What a publish raises when the broker could not take the message for now: a lost or
+#: refused connection, a nack under publisher confirms.
+_BROKER_FOR_NOW = (
+    OperationalError,
+    OSError,
+    MessageNacked,
+    redis.ConnectionError,
+    redis.TimeoutError,
+)
 DEFER_MIN_DELAY = 0.5
 DEFER_MAX_DELAY = 60.0
 
@@ -547,6 +562,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 store, keys, token, settings.ttl_ms, outcome.fence, holder, settings.fence_ttl_ms,
                 confirmed_at=asked_at,
             )  # fmt: skip
+            if request.expires and _expired_redelivery(request):  # one read, for most tasks
+                return self._revoke_expired(lease, settings, request, runtime.heartbeat)
             return self._run_with_lease(lease, settings, args, kwargs, request, runtime.heartbeat)
         if isinstance(outcome, Done):
             if (
@@ -581,6 +598,18 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if settings.on_duplicate == "raise":
             raise DuplicateTaskError(keys.lock, outcome.task_id)
         return self._skip(keys, "running", outcome.task_id, settings)
+
+    def _revoke_expired(
+        self, lease: Lease, settings: LockSettings, request: Any, heartbeat: Heartbeat
+    ) -> _Ignored:
+        """A message delivered again past its ``expires``, which no run of its holds: revoke
+        it, as Celery's main process would have (:meth:`LockedRequest.maybe_expire` lets such a
+        message through, since a run of its first delivery may hold the request)."""
+        self._release(lease, settings, heartbeat, success=False)
+        logger.info("Discarding revoked task: %s[%s] (expired)", self.name, request.id)
+        if not _ignores_result(self, request) or self.store_errors_even_if_ignored:
+            self.backend.mark_as_revoked(request.id, "expired", request=request)
+        return _Ignored(Ignore())
 
     def _rerun_unsent_hand_on(
         self,
@@ -746,11 +775,15 @@ class LockedTask(Task):  # type: ignore[type-arg]
             raise
         except Reject as rejected:
             # Celery rejects the message without requeue when the retry's publish fails: the
-            # request, neither done nor handed on, would be lost. Given back, as a deferral
-            # whose publish fails is; the lease goes without a done-marker, as for any error.
-            if getattr(rejected, "requeue", True):  # celery-types has neither attribute
+            # request, neither done nor handed on, would be lost. Where the broker could not
+            # take it for now, it is given back, as a deferral whose publish fails is; the
+            # lease goes without a done-marker, as for any error. A publish that fails every
+            # time (an argument the serializer cannot encode) is left to Celery: given back,
+            # the body would run again and again, at once, with nothing to stop it.
+            reason = getattr(rejected, "reason", None)  # celery-types has neither attribute
+            if getattr(rejected, "requeue", True) or not isinstance(reason, _BROKER_FOR_NOW):
                 raise
-            raise Reject(getattr(rejected, "reason", None), requeue=True) from rejected
+            raise Reject(reason, requeue=True) from rejected
         self._note_retry_sent()
         return signature
 
@@ -1084,30 +1117,43 @@ class LockedTask(Task):  # type: ignore[type-arg]
         return float(min(backoff, lapse, DEFER_MAX_DELAY) * jitter)
 
 
+def _expired_redelivery(request: Any) -> bool:
+    """Whether ``request`` is a message the broker delivered again after its ``expires``."""
+    if not (request.delivery_info or {}).get("redelivered"):
+        return False  # Celery's main process expired it, if it had
+    expires = maybe_iso8601(request.expires)
+    if expires is None:
+        return False
+    return datetime.now(timezone.utc if expires.tzinfo else None) > expires
+
+
 def _cut_by_cold_shutdown(exc: BaseException, request: Any, lease: Lease) -> bool:
-    """Whether ``exc`` cut a worker's run short in the worker's cold shutdown (``SIGQUIT``, a
-    second Ctrl+C, the end of ``worker_soft_shutdown_timeout``), which a prefork worker's
-    message survives: its pool process dies, and the message goes back to the broker. Where
-    the body runs in the worker's own process, it does not: under ``-P solo`` the shutdown's
-    ``terminate_job`` raises ``NotImplementedError`` in the body, and Celery acks the failure;
-    under gevent and eventlet it kills the body's greenlet, and Celery acks that as a success
-    with no result. Either way the request, never done, was lost."""
+    """Whether ``exc`` is how a worker's cold shutdown (``SIGQUIT``, a second Ctrl+C, the end
+    of ``worker_soft_shutdown_timeout``) cut a run short in the worker's own process.
+
+    A prefork worker's message survives a cold shutdown: its pool process dies, and the
+    message goes back to the broker. Where the body runs in the worker's own process, Celery
+    5.5 and later cut it short in place: under ``-P solo`` the shutdown's
+    ``cancel_active_requests`` calls ``terminate_job``, which raises ``NotImplementedError``
+    in the body, and Celery acks the failure; under gevent and eventlet it kills the body's
+    greenlet (``GreenletExit``), and Celery acks that as a success with no result. Either way
+    the request, never done, was lost. Nothing else is taken for it: a body's own error stays
+    a failure (under threads, and under solo before Celery 5.5, the body runs to its end).
+    """
     if request.is_eager or request.called_directly or lease.retry_sent:
         return False  # a retry sent: the request is on its way already
-    if isinstance(exc, Retry | Ignore | Reject):
+    if isinstance(exc, NotImplementedError):
+        # Raised from the signal's handler, so the handler's frames are in the traceback.
+        frames = traceback.walk_tb(exc.__traceback__)
+        return any(frame.f_code.co_name == "cancel_active_requests" for frame, _ in frames)
+    greenlet = sys.modules.get("greenlet")
+    if greenlet is None or not isinstance(exc, greenlet.GreenletExit):
         return False
     from celery.worker import state  # noqa: PLC0415 - on this exception path alone
 
-    # Celery sets it as the signal's handler returns, before the exception reaches the body.
-    terminating = state.should_terminate
-    if terminating is not None and terminating is not False:
-        return True
-    # Eventlet's kill runs the killed greenlet at once, inside the handler: before the flag is
-    # set. A greenlet killed from outside is the shutdown's, unless a revoke(terminate=True)
-    # killed it, which put the task id in the worker's revoked set first (and acks it itself).
-    greenlet = sys.modules.get("greenlet")
-    killed = greenlet is not None and isinstance(exc, greenlet.GreenletExit)
-    return killed and request.id not in state.revoked
+    # A revoke(terminate=True) kills the greenlet too, and puts the task id in the worker's
+    # revoked set first (and acks the message itself): that one ends REVOKED, not given back.
+    return request.id not in state.revoked
 
 
 def _root_id(request: Any) -> str:

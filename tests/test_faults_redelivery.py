@@ -391,6 +391,28 @@ def test_a_redelivered_copy_past_its_expiry_leaves_the_running_original_alone(
     wait_for("the deferred copy to be acked", lambda: broker_idle(broker), TIMEOUT)
 
 
+def test_a_message_delivered_again_past_its_expiry_that_no_run_holds_is_revoked(
+    start_worker: Callable[..., CeleryWorker],
+    producer: Celery,
+    record: Record,
+    broker: redis.Redis,
+) -> None:
+    # The worker's main process lets a message delivered again past its expiry through (its
+    # first delivery may be running): with no run of it holding the request, the pool revokes
+    # it, as Celery would have. Here a countdown message, held by a worker that stopped
+    # before it was due, is put back marked redelivered, and comes again after its expiry.
+    first_worker = start_worker()
+    sent_at = time.monotonic()
+    result = producer.send_task(TASK, args=(1, 0.5), countdown=2.0, expires=3.0)
+    wait_for("the worker to hold the message", lambda: broker.hlen("unacked") == 1, TIMEOUT)
+    first_worker.stop()  # warm: the message goes back, marked redelivered
+    time.sleep(max(0.0, sent_at + 3.5 - time.monotonic()))  # past its expiry
+    start_worker()
+    wait_state(result, "REVOKED")
+    wait_for("the message to be acked", lambda: broker_idle(broker), TIMEOUT)
+    assert record.started() == []
+
+
 def test_deferred_copies_of_a_long_running_message_do_not_double_past_the_visibility_timeout(
     start_worker: Callable[..., CeleryWorker],
     producer: Celery,

@@ -1235,13 +1235,16 @@ def test_an_argument_whose_only_text_is_its_address_is_refused(task: Any) -> Non
     )
 
 
-def test_a_template_without_fields_is_one_constant_key() -> None:
-    # "{{global}}": every call one request, as written (a task that runs once at a time).
-    def task(a: Any) -> None:
+@pytest.mark.parametrize("template", ["{{global}}", "{{nightly-report}}"])
+def test_a_template_without_fields_is_one_constant_key(template: str) -> None:
+    # "{{global}}": every call one request, as written (a task that runs once at a time); so is
+    # a constant that holds an argument's name as a word, not as an escaped field alone.
+    def task(a: Any, report: Any = None) -> None:
         pass
 
-    spec = KeyDeriver.create("t", inspect.signature(task), "{{global}}")
-    assert spec.request_key((1,), {}) == spec.request_key((2,), {}) == safe_key_part("{global}")
+    spec = KeyDeriver.create("t", inspect.signature(task), template)
+    constant = safe_key_part(template.replace("{{", "{").replace("}}", "}"))
+    assert spec.request_key((1,), {}) == spec.request_key((2,), {}) == constant
 
 
 class _Order:

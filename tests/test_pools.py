@@ -142,6 +142,30 @@ def test_a_body_cut_short_by_a_cold_shutdown_gives_its_message_back(
     assert done_by(lock_redis, "storm.long") == result.id.encode()
 
 
+def test_a_body_s_own_error_in_a_cold_shutdown_under_threads_stays_a_failure(
+    spawn_worker: Callable[..., CeleryWorker],
+    worker_env: dict[str, str],
+    make_producer: Callable[..., Celery],
+    lock_redis: redis.Redis,
+) -> None:
+    # Under threads a cold shutdown lets the bodies run to their end: an error a body raises
+    # then is its own, not the shutdown's, and is not given back to run again.
+    worker = spawn_worker(APP, worker_env, pool="threads", concurrency=2)
+    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
+    result = app.send_task("storm.long", args=(1,), kwargs={"seconds": 3.0, "fail": True})
+    lock = RequestKeys.build("celery-lock", "storm.long", "1", "storm.long").lock
+    wait_for("the body's lease", lambda: lock_redis.get(lock), TIMEOUT)
+    worker.send_signal(signal.SIGQUIT)
+    worker.wait(TIMEOUT)
+    assert result.state == states.FAILURE
+    broker = redis.Redis.from_url(worker_env["STORM_BROKER_URL"])
+    try:
+        assert (broker.llen("celery"), broker.hlen("unacked")) == (0, 0)
+    finally:
+        broker.close()
+    assert recorded_runs(worker_env) == 1
+
+
 @pytest.mark.parametrize("pool", ["gevent", "eventlet"])
 def test_a_body_revoked_with_terminate_under_a_green_pool_is_not_given_back(
     pool: str,

@@ -16,7 +16,7 @@ from unittest import mock
 
 import pytest
 import redis
-from celery import Celery, chain, chord, current_task, group
+from celery import Celery, Signature, chain, chord, current_task, group
 from celery.app.task import Context
 from celery.contrib.testing.worker import TestWorkController
 from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
@@ -134,11 +134,16 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
     @celery_app.task(
         base=LockedTask, bind=True, lock_key="request_idx", name="t.unsent", max_retries=3
     )
-    def unsent(self: Any, request_idx: int) -> str:
-        # Its first run's retry cannot be published (no such serializer), as a broker that
-        # refuses it (a full queue, a nack) would fail it.
+    def unsent(self: Any, request_idx: int, refusal: str) -> str:
+        # Its first run's retry cannot be published: the broker refuses it for now (a lost
+        # connection, a full queue), or for good (no such serializer: every publish fails).
         seen(self)
-        if calls.count("t.unsent") == 1:
+        if refusal == "for-now" and calls.count("t.unsent") == 1:
+            with mock.patch.object(
+                Signature, "apply_async", side_effect=OperationalError("the broker refused it")
+            ):
+                raise self.retry(countdown=0.1)
+        if refusal == "for-good":
             raise self.retry(countdown=0.1, serializer="no-such-serializer")
         return "run again"
 
@@ -820,14 +825,25 @@ def test_self_retry_releases_without_done_marker(
     assert consecutive([call["fence"] for call in calls.seen])
 
 
-def test_a_retry_that_cannot_be_published_gives_the_message_back(
-    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+def test_a_retry_the_broker_cannot_take_for_now_gives_the_message_back(
+    worker: Any, tasks: dict[str, Any], calls: Calls
 ) -> None:
     # Celery rejects the message without requeue when a retry's publish fails: the request,
     # never done, was dropped (FAILURE, nothing left to run it). Given back, it runs again.
-    assert tasks["unsent"].delay(7).get(timeout=TIMEOUT) == "run again"
+    assert tasks["unsent"].delay(7, "for-now").get(timeout=TIMEOUT) == "run again"
     assert [call["retries"] for call in calls.seen] == [0, 0]  # no retry was sent
     assert consecutive([call["fence"] for call in calls.seen])
+
+
+def test_a_retry_that_no_publish_can_send_is_not_given_back(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    # Every publish fails: given back, the body would run again and again, at once (a review's
+    # run: 480 runs in 10 s). Left to Celery, which rejects the message.
+    result = tasks["unsent"].delay(7, "for-good")
+    wait_for("the run to end", lambda: result.state == "FAILURE", TIMEOUT)
+    time.sleep(0.5)  # a message given back would be running again by now
+    assert calls.count("t.unsent") == 1
 
 
 @pytest.mark.parametrize("catch", [False, True], ids=["throw-false", "retry-caught"])

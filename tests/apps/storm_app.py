@@ -65,8 +65,9 @@ callback = _recording("storm.callback", lock_scope="request")
 
 
 @app.task(base=LockedTask, bind=True, lock_key="request_idx", lock_ttl=2.0, name="storm.long")
-def long(self: Any, request_idx: int, seconds: float = 8.0) -> int:
-    """Runs four times its lease TTL: only the heartbeat keeps the lease alive.
+def long(self: Any, request_idx: int, seconds: float = 8.0, fail: bool = False) -> int:
+    """Runs four times its lease TTL: only the heartbeat keeps the lease alive. With ``fail``,
+    it raises once it has run (and recorded) to its end.
 
     The TTL is 2 s rather than 1 s so that a loaded CI machine stalling the heartbeat thread
     for most of a second does not lose the lease: the test is about renewal, not about stalls.
@@ -74,6 +75,8 @@ def long(self: Any, request_idx: int, seconds: float = 8.0) -> int:
     started = time.monotonic()
     time.sleep(seconds)
     record(self, request_idx, started)
+    if fail:
+        raise ValueError("the body's own error, after its run")
     return request_idx
 
 
