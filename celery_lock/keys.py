@@ -516,6 +516,12 @@ class _Cut(NamedTuple):
         return _digested(_SPLIT_TAG + data, joined)
 
 
+def _escaped_field(name: str) -> re.Pattern[str]:
+    """``{{name}}`` as a template escapes it, with any attribute, item, conversion or spec
+    (``{{order.id}}``, ``{{ idx!r }}``): the literal text of what was meant as a field."""
+    return re.compile(r"\{\{\s*" + re.escape(name) + r"(?=[\s.\[!:}])[^{}]*\}\}")
+
+
 @dataclass(frozen=True)
 class KeyDeriver:
     """Derives the request key of one task from the arguments of a call."""
@@ -656,9 +662,7 @@ class KeyDeriver:
                 )
             previous = template_field
             names.append((root, template_field))
-        escaped = (
-            n for n in self.signature.parameters if re.search(rf"{{{{\s*{n}\s*}}}}", self.spec)
-        )
+        escaped = (n for n in self.signature.parameters if _escaped_field(n).search(self.spec))
         if not names and (argument := next(escaped, None)) is not None:
             # "{{request_idx}}" (as Jinja writes a field) is the literal text "{request_idx}":
             # every call would be one request, and all but the first skipped as its duplicates.

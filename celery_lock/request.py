@@ -13,6 +13,7 @@ A task with a request class of its own should derive it from :class:`LockedReque
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]  # not in celery-types
@@ -21,11 +22,14 @@ from celery.worker.request import Request
 
 from .events import TASK_SKIPPED
 
-__all__ = ["LockedRequest", "SkippedCopy"]
+__all__ = ["EXPIRED_FIELD", "ExpiredCopy", "LockedRequest", "SkippedCopy"]
 
 #: The request field that carries the message's content type into the pool process, where a
 #: deferral publishes the copy again with the serializer it came in.
 CONTENT_TYPE_FIELD = "celery_lock_content_type"
+#: The request field that tells the pool process a message delivered again is past its
+#: ``expires``, read in the main process as Celery reads it (the app's timezone for a naive one).
+EXPIRED_FIELD = "celery_lock_expired"
 
 
 class SkippedCopy(Ignore):
@@ -67,6 +71,12 @@ class SkippedCopy(Ignore):
         return fields
 
 
+class ExpiredCopy(Ignore):
+    """Celery's ``Ignore`` for a message delivered again past its ``expires`` that no run of
+    it holds: :class:`LockedRequest` revokes it in the main process, as Celery revokes an
+    expired message (``task-revoked``, the ``task_revoked`` signal, ``REVOKED`` stored)."""
+
+
 class LockedRequest(Request):
     """The worker's request for a ``LockedTask``: sends ``task-skipped`` for a skipped copy
     whenever the worker sends task events, including once Flower has turned them on."""
@@ -85,6 +95,9 @@ class LockedRequest(Request):
         instead: deferred while its first delivery holds the request, acked once that one is
         done, and revoked there if no run holds it (``LockedTask``'s acquire is granted)."""
         if self.delivery_info.get("redelivered"):
+            expires = self.expires  # aware, in the app's timezone, as Celery reads it
+            if expires and datetime.now(timezone.utc if expires.tzinfo else None) > expires:
+                self.request_dict[EXPIRED_FIELD] = True
             return None  # as Celery's for a message not expired
         return super().maybe_expire()
 
@@ -94,6 +107,10 @@ class LockedRequest(Request):
         exc = exc_info.exception
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
+        if isinstance(exc, ExpiredCopy):
+            # Celery's own revocation of an expired message, as maybe_expire would have made it.
+            self._announce_revoked("expired", False, None, True)  # type: ignore[attr-defined]
+            return None
         if isinstance(exc, SkippedCopy):
             # Request.send_event: only if the worker's dispatcher sends task events now. Named
             # as task-received names the call (self.name is its shadow name, if it has one).

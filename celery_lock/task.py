@@ -49,7 +49,6 @@ import sys
 import traceback
 import weakref
 from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
@@ -61,7 +60,6 @@ from celery.app.amqp import AMQP
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.states import STARTED
-from celery.utils.time import maybe_iso8601
 from kombu.exceptions import OperationalError
 
 try:
@@ -87,7 +85,7 @@ from .exceptions import (
 from .heartbeat import Heartbeat
 from .keys import KeyDeriver, LockKeySpec, RequestKeys
 from .lease import Acquired, Done, HandOn, Held, Holder, Lease, new_token
-from .request import SkippedCopy
+from .request import EXPIRED_FIELD, ExpiredCopy, SkippedCopy
 from .runtime import get_runtime
 from .states import skipped_marker, store_skipped
 from .store import LockStore
@@ -562,8 +560,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 store, keys, token, settings.ttl_ms, outcome.fence, holder, settings.fence_ttl_ms,
                 confirmed_at=asked_at,
             )  # fmt: skip
-            if request.expires and _expired_redelivery(request):  # one read, for most tasks
-                return self._revoke_expired(lease, settings, request, runtime.heartbeat)
+            if request.expires and getattr(request, EXPIRED_FIELD, False):  # one read, mostly
+                return self._revoke_expired(lease, settings, runtime.heartbeat)
             return self._run_with_lease(lease, settings, args, kwargs, request, runtime.heartbeat)
         if isinstance(outcome, Done):
             if (
@@ -600,16 +598,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
         return self._skip(keys, "running", outcome.task_id, settings)
 
     def _revoke_expired(
-        self, lease: Lease, settings: LockSettings, request: Any, heartbeat: Heartbeat
+        self, lease: Lease, settings: LockSettings, heartbeat: Heartbeat
     ) -> _Ignored:
-        """A message delivered again past its ``expires``, which no run of its holds: revoke
-        it, as Celery's main process would have (:meth:`LockedRequest.maybe_expire` lets such a
-        message through, since a run of its first delivery may hold the request)."""
+        """A message delivered again past its ``expires``, which no run of its holds: give the
+        grant back, and have the main process revoke it as Celery's would have
+        (:meth:`LockedRequest.maybe_expire` let it through, since a run of its first delivery
+        might have held the request)."""
         self._release(lease, settings, heartbeat, success=False)
-        logger.info("Discarding revoked task: %s[%s] (expired)", self.name, request.id)
-        if not _ignores_result(self, request) or self.store_errors_even_if_ignored:
-            self.backend.mark_as_revoked(request.id, "expired", request=request)
-        return _Ignored(Ignore())
+        return _Ignored(ExpiredCopy())
 
     def _rerun_unsent_hand_on(
         self,
@@ -761,9 +757,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
         the arguments they hide), and the call's ``ignore_result``, which Celery before 5.6.3
         drops (the retry would store the result the caller declined).
 
-        A retry whose publish fails gives the message back to the broker (``Reject`` with
-        requeue), where Celery would reject it without: the request, neither done nor handed
-        on, would be lost.
+        A retry whose publish the broker cannot take for now gives the message back to the
+        broker (``Reject`` with requeue), where Celery would reject it without: the request,
+        neither done nor handed on, would be lost. The run's lease is left to lapse by its TTL
+        rather than released, so the message, back at once, waits as a redelivery of a running
+        one instead of running the body again at once, for as long as the broker refuses.
         """
         request = self.request
         if not (request.is_eager or request.called_directly):
@@ -776,13 +774,13 @@ class LockedTask(Task):  # type: ignore[type-arg]
         except Reject as rejected:
             # Celery rejects the message without requeue when the retry's publish fails: the
             # request, neither done nor handed on, would be lost. Where the broker could not
-            # take it for now, it is given back, as a deferral whose publish fails is; the
-            # lease goes without a done-marker, as for any error. A publish that fails every
-            # time (an argument the serializer cannot encode) is left to Celery: given back,
-            # the body would run again and again, at once, with nothing to stop it.
+            # take it for now, it is given back, as a deferral whose publish fails is. A
+            # publish that fails every time (an argument the serializer cannot encode) is left
+            # to Celery: given back, the body would run again and again, with nothing to stop it.
             reason = getattr(rejected, "reason", None)  # celery-types has neither attribute
             if getattr(rejected, "requeue", True) or not isinstance(reason, _BROKER_FOR_NOW):
                 raise
+            self._leave_lease_to_lapse(request)
             raise Reject(reason, requeue=True) from rejected
         self._note_retry_sent()
         return signature
@@ -807,6 +805,16 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if given.get("args") is None and given.get("kwargs") is None:
             for name, value in _shown_arguments(request).items():
                 kwargs.setdefault(name, value)
+
+    def _leave_lease_to_lapse(self, request: Any) -> None:
+        """Let this run's lease lapse by its TTL, unextended and unreleased: the message it
+        gives back finds the request held by its own task id, and waits (deferred as a
+        redelivery) instead of running the body again at once, on every delivery while the
+        broker refuses. Once the lease lapses, a copy runs the request again."""
+        lease: Lease | None = getattr(request, "lock_lease", None)
+        if lease is not None and not lease.released:
+            lease.released = True  # the body's release, on its way out, leaves it
+            get_runtime(self.app).heartbeat.discard(lease)
 
     def _note_retry_sent(self) -> None:
         request = self.request
@@ -1115,16 +1123,6 @@ class LockedTask(Task):  # type: ignore[type-arg]
         lapse = max(pttl_ms / 1000, DEFER_MIN_DELAY) if pttl_ms > 0 else DEFER_MAX_DELAY
         jitter = random.uniform(0.8, 1.2)
         return float(min(backoff, lapse, DEFER_MAX_DELAY) * jitter)
-
-
-def _expired_redelivery(request: Any) -> bool:
-    """Whether ``request`` is a message the broker delivered again after its ``expires``."""
-    if not (request.delivery_info or {}).get("redelivered"):
-        return False  # Celery's main process expired it, if it had
-    expires = maybe_iso8601(request.expires)
-    if expires is None:
-        return False
-    return datetime.now(timezone.utc if expires.tzinfo else None) > expires
 
 
 def _cut_by_cold_shutdown(exc: BaseException, request: Any, lease: Lease) -> bool:

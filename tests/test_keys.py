@@ -1063,7 +1063,13 @@ def test_an_invalid_lock_scope_fails_at_class_creation(scope: Any) -> None:
             pass
 
 
-@pytest.mark.parametrize("template", ["{{request_idx}}", "{{ request_idx }}", "id-{{request_idx}}"])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{request_idx}}", "{{ request_idx }}", "id-{{request_idx}}", "{{request_idx!r}}",
+        "{{request_idx:>5}}", "{{request_idx.real}}", "{{request_idx[0]}}",
+    ],
+)  # fmt: skip
 def test_a_template_whose_only_field_is_escaped_fails_at_class_creation(template: str) -> None:
     # Doubled braces are literal text: every call would key one request, and all but the first
     # would be skipped as its duplicates. ("{{global}}", which names no argument, is one request

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, states
+from celery.result import AsyncResult
 from conftest import settle, wait_for
 
 from celery_lock import SKIPPED
@@ -113,26 +114,55 @@ def test_under_a_green_pool_a_body_that_yields_keeps_its_lease_and_the_worker_wa
     ), worker.log()
 
 
-@pytest.mark.parametrize("pool", ["solo", "gevent", "eventlet"])
-def test_a_body_cut_short_by_a_cold_shutdown_gives_its_message_back(
-    pool: str,
+#: The lock of storm.long's request 1, which the tests below run.
+LONG_LOCK = RequestKeys.build("celery-lock", "storm.long", "1", "storm.long").lock
+
+
+@pytest.fixture
+def long_body_holding(
     spawn_worker: Callable[..., CeleryWorker],
     worker_env: dict[str, str],
     make_producer: Callable[..., Celery],
+    lock_redis: redis.Redis,
+) -> Callable[..., tuple[CeleryWorker, AsyncResult[Any]]]:
+    """``long_body_holding(pool, **options)``: a ``-P pool`` worker, and its run of storm.long
+    for request 1 (``options``, its keyword arguments), once the run holds its lease."""
+
+    def start(pool: str, **options: Any) -> tuple[CeleryWorker, AsyncResult[Any]]:
+        worker = spawn_worker(APP, worker_env, pool=pool, concurrency=2)
+        app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
+        result = app.send_task("storm.long", args=(1,), kwargs=options)
+        wait_for("the body's lease", lambda: lock_redis.get(LONG_LOCK), TIMEOUT)
+        return worker, result
+
+    return start
+
+
+def broker_messages(env: dict[str, str]) -> tuple[int, int]:
+    """How many messages the broker has queued, and delivered but not acked."""
+    broker = redis.Redis.from_url(env["STORM_BROKER_URL"])
+    try:
+        return broker.llen("celery"), broker.hlen("unacked")
+    finally:
+        broker.close()
+
+
+@pytest.mark.parametrize("pool", ["solo", "gevent", "eventlet"])
+def test_a_body_cut_short_by_a_cold_shutdown_gives_its_message_back(
+    pool: str,
+    long_body_holding: Callable[..., tuple[CeleryWorker, AsyncResult[Any]]],
+    spawn_worker: Callable[..., CeleryWorker],
+    worker_env: dict[str, str],
     lock_redis: redis.Redis,
 ) -> None:
     # These pools run the body in the worker's own process: a cold shutdown (SIGQUIT) raises
     # in it under solo (Celery acked the FAILURE), or kills its greenlet (Celery acked a
     # success with no result, PENDING for ever). Either way the request was lost; a prefork
     # worker's message comes back, as its pool process dies.
-    worker = spawn_worker(APP, worker_env, pool=pool, concurrency=2)
-    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
-    result = app.send_task("storm.long", args=(1,), kwargs={"seconds": 4.0})
-    lock = RequestKeys.build("celery-lock", "storm.long", "1", "storm.long").lock
-    wait_for("the body's lease", lambda: lock_redis.get(lock), TIMEOUT)
+    worker, result = long_body_holding(pool, seconds=4.0)
     worker.send_signal(signal.SIGQUIT)
     worker.wait(TIMEOUT)
-    assert lock_redis.get(lock) is None  # released without a done-marker
+    assert lock_redis.get(LONG_LOCK) is None  # released without a done-marker
     assert done_by(lock_redis, "storm.long") is None
     assert result.state not in states.READY_STATES
 
@@ -143,51 +173,32 @@ def test_a_body_cut_short_by_a_cold_shutdown_gives_its_message_back(
 
 
 def test_a_body_s_own_error_in_a_cold_shutdown_under_threads_stays_a_failure(
-    spawn_worker: Callable[..., CeleryWorker],
+    long_body_holding: Callable[..., tuple[CeleryWorker, AsyncResult[Any]]],
     worker_env: dict[str, str],
-    make_producer: Callable[..., Celery],
-    lock_redis: redis.Redis,
 ) -> None:
     # Under threads a cold shutdown lets the bodies run to their end: an error a body raises
     # then is its own, not the shutdown's, and is not given back to run again.
-    worker = spawn_worker(APP, worker_env, pool="threads", concurrency=2)
-    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
-    result = app.send_task("storm.long", args=(1,), kwargs={"seconds": 3.0, "fail": True})
-    lock = RequestKeys.build("celery-lock", "storm.long", "1", "storm.long").lock
-    wait_for("the body's lease", lambda: lock_redis.get(lock), TIMEOUT)
+    worker, result = long_body_holding("threads", seconds=3.0, fail=True)
     worker.send_signal(signal.SIGQUIT)
     worker.wait(TIMEOUT)
     assert result.state == states.FAILURE
-    broker = redis.Redis.from_url(worker_env["STORM_BROKER_URL"])
-    try:
-        assert (broker.llen("celery"), broker.hlen("unacked")) == (0, 0)
-    finally:
-        broker.close()
+    assert broker_messages(worker_env) == (0, 0)
     assert recorded_runs(worker_env) == 1
 
 
 @pytest.mark.parametrize("pool", ["gevent", "eventlet"])
 def test_a_body_revoked_with_terminate_under_a_green_pool_is_not_given_back(
     pool: str,
-    spawn_worker: Callable[..., CeleryWorker],
+    long_body_holding: Callable[..., tuple[CeleryWorker, AsyncResult[Any]]],
     worker_env: dict[str, str],
-    make_producer: Callable[..., Celery],
     lock_redis: redis.Redis,
 ) -> None:
     # A revoke(terminate=True) kills the greenlet as a cold shutdown does; the message of a
     # body revoked stays acked (REVOKED), not given back to run again.
-    spawn_worker(APP, worker_env, pool=pool, concurrency=2)
-    app = make_producer(worker_env["STORM_BROKER_URL"], worker_env["STORM_BACKEND_URL"])
-    result = app.send_task("storm.long", args=(1,), kwargs={"seconds": 4.0})
-    lock = RequestKeys.build("celery-lock", "storm.long", "1", "storm.long").lock
-    wait_for("the body's lease", lambda: lock_redis.get(lock), TIMEOUT)
+    _, result = long_body_holding(pool, seconds=4.0)
     result.revoke(terminate=True)
     wait_for("REVOKED", lambda: result.state == states.REVOKED, TIMEOUT)
-    broker = redis.Redis.from_url(worker_env["STORM_BROKER_URL"])
-    try:
-        time.sleep(5.0)  # past the body's own end: a copy given back would have run by now
-        assert (broker.llen("celery"), broker.hlen("unacked")) == (0, 0)
-    finally:
-        broker.close()
+    time.sleep(5.0)  # past the body's own end: a copy given back would have run by now
+    assert broker_messages(worker_env) == (0, 0)
     assert recorded_runs(worker_env) == 0
-    assert lock_redis.get(lock) is None
+    assert lock_redis.get(LONG_LOCK) is None
