@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import logging
-import sys
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -60,6 +59,7 @@ from redis.connection import parse_url
 from .config import LockSettings, conf_value, passwords_masked
 from .delivery import visibility_timeout
 from .exceptions import ConfigurationError
+from .heartbeat import green_pool
 from .keys import RequestKeys
 from .request import LockedRequest
 from .runtime import lock_store_url
@@ -197,14 +197,9 @@ def request_class_warnings(task: Any) -> list[str]:
 def green_heartbeat_warnings() -> list[str]:
     """Whether gevent or eventlet has patched ``threading`` in this process (``celery worker
     -P gevent`` or ``-P eventlet`` patches it first thing), making the heartbeat a greenlet."""
-    gevent_monkey = sys.modules.get("gevent.monkey")
-    if gevent_monkey is not None and gevent_monkey.is_module_patched("threading"):
-        green = "gevent"
-    else:
-        eventlet_patcher = sys.modules.get("eventlet.patcher")
-        if eventlet_patcher is None or not eventlet_patcher.is_monkey_patched("thread"):
-            return []
-        green = "eventlet"
+    green = green_pool()
+    if green is None:
+        return []
     return [
         f"under {green} the heartbeat is a greenlet, not a thread: a body that holds the hub "
         "(CPU-bound work, a C driver that cannot yield) for a whole lease TTL loses its lease "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from .exceptions import LockStoreError, LockStoreUnavailableError
 from .lease import Lease
 from .store import LockStore, address_of
 
-__all__ = ["Heartbeat"]
+__all__ = ["Heartbeat", "green_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,19 @@ class _Release:
     #: Called with whether the lease was still owned (``None``: cannot tell, see
     #: :meth:`LockStore.release`), once a try got an answer.
     then: Callable[[bool | None], None] | None
+
+
+def green_pool() -> str | None:
+    """``"gevent"`` or ``"eventlet"`` where it has patched ``threading`` in this process
+    (``celery worker -P gevent`` or ``-P eventlet`` patches it first thing): the heartbeat is a
+    greenlet there, and a task's body runs in a greenlet of the worker's own process."""
+    gevent_monkey = sys.modules.get("gevent.monkey")
+    if gevent_monkey is not None and gevent_monkey.is_module_patched("threading"):
+        return "gevent"
+    eventlet_patcher = sys.modules.get("eventlet.patcher")
+    if eventlet_patcher is not None and eventlet_patcher.is_monkey_patched("thread"):
+        return "eventlet"
+    return None
 
 
 class Heartbeat:

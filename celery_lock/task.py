@@ -82,7 +82,7 @@ from .exceptions import (
     LockStoreError,
     LockStoreUnavailableError,
 )
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, green_pool
 from .keys import KeyDeriver, LockKeySpec, RequestKeys
 from .lease import Acquired, Done, HandOn, Held, Holder, Lease, new_token
 from .request import EXPIRED_FIELD, ExpiredCopy, SkippedCopy
@@ -1145,8 +1145,8 @@ def _cut_by_cold_shutdown(exc: BaseException, request: Any, lease: Lease) -> boo
         frames = traceback.walk_tb(exc.__traceback__)
         return any(frame.f_code.co_name == "cancel_active_requests" for frame, _ in frames)
     greenlet = sys.modules.get("greenlet")
-    if greenlet is None or not isinstance(exc, greenlet.GreenletExit):
-        return False
+    if greenlet is None or not isinstance(exc, greenlet.GreenletExit) or green_pool() is None:
+        return False  # a GreenletExit of the body's own, under prefork or threads, is its own
     from celery.worker import state  # noqa: PLC0415 - on this exception path alone
 
     # A revoke(terminate=True) kills the greenlet too, and puts the task id in the worker's
