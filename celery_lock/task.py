@@ -708,9 +708,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
             heartbeat.add(lease, settings.interval)
             if self._lock_track_started:
                 self._store_started(request)
-            signals.lock_acquired.send(
-                sender=self, task_id=request.id, lock_key=lease.keys.lock, fence=lease.fence
-            )
+            if signals.lock_acquired.receivers:  # what send() asks first, without its call
+                signals.lock_acquired.send(
+                    sender=self, task_id=request.id, lock_key=lease.keys.lock, fence=lease.fence
+                )
             result = self.run(*args, **kwargs)
             # A body that returns after retry(throw=False) (or after catching Retry) has sent
             # a copy of this task id on its way: a done-marker would have it acked unrun.
@@ -964,10 +965,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 lease.keys.lock,
                 lease.holder.task_id,
             )
-        signals.lock_released.send(
-            sender=self, task_id=lease.holder.task_id, lock_key=lease.keys.lock,
-            success=success and owned is True, owned=owned,
-        )  # fmt: skip
+        if signals.lock_released.receivers:  # what send() asks first, without its call
+            signals.lock_released.send(
+                sender=self, task_id=lease.holder.task_id, lock_key=lease.keys.lock,
+                success=success and owned is True, owned=owned,
+            )  # fmt: skip
 
     def _lease_lost_callback(self, request: Any) -> Callable[[Lease], None]:
         hostname = None if request.is_eager else request.hostname
