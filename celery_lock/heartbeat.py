@@ -142,7 +142,7 @@ class Heartbeat:
             # no lease is held, a process running one task after another never wakes it.
             self._idle_interval = min(self._idle_interval, interval)
             shorter = interval < self._waiting
-        if not self.running:
+        if not self._alive:  # self.running, without the property's call on every task
             self.start()
         elif shorter:
             self._wake.set()
