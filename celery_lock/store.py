@@ -547,21 +547,39 @@ class LockStore:
             self._drop_own_unless_in_use()
             self.client.connection_pool.disconnect(inuse_connections=False)
 
-    def _call(self, what: str, roles: dict[str, str], lock_name: str, fn: Callable[[], T]) -> T:
+    def _call(
+        self,
+        what: str,
+        keys: RequestKeys,
+        roles: tuple[str, ...],
+        tries: list[int] | None,
+        fn: Callable[..., T],
+        *fn_args: Any,
+    ) -> T:
+        """``fn(*fn_args)``, tried again on transient errors; its errors raised as the store's.
+
+        ``roles`` names the fields of ``keys`` the call touches (in the order
+        :meth:`diagnose` looks at them), ``tries`` counts the calls of ``fn`` in its first item
+        (from 1): a list made per call, where the caller needs to know. Nothing but the call
+        itself is made before a first try that succeeds (almost every one): no closure, no
+        dict of the roles (this runs twice per task)."""
+        lock_name = keys.lock
         started = _monotonic()
         try:
             try:
                 # The first try runs bare: building tenacity's machinery costs more than the
                 # round trip's own client-side work, and almost every call succeeds at once.
-                return fn()
+                return fn(*fn_args)
             except REFUSED_ERRORS:
                 # Once more, on a new connection: a credential provider whose token had just
                 # expired (ElastiCache IAM, Entra ID) fetches a fresh one.
-                return fn()
+                if tries is not None:
+                    tries[0] += 1
+                return fn(*fn_args)
             except TRANSIENT_ERRORS as exc:
                 self._unfollow_if_unreachable(exc)
                 first_failure = exc
-            return self._retry(what, lock_name, fn, first_failure, started)
+            return self._retry(what, lock_name, _again(fn, fn_args, tries), first_failure, started)
         except REFUSED_ERRORS as exc:
             raise LockStoreError(
                 f"{what} refused: {exc} (check the user and password of the lock store URL)",
@@ -582,7 +600,7 @@ class LockStore:
                     "one master)",
                     lock_name=lock_name,
                 ) from exc
-            found = self.diagnose(roles)
+            found = self.diagnose({role: getattr(keys, role) for role in roles})
             if found is not None:
                 key, problem = found
                 raise LockStateError(
@@ -688,13 +706,10 @@ class LockStore:
         args: tuple[Any, ...] = (token, ttl_ms, holder.describe(now_us // 1000), fence_ttl_ms, seed)
         if replaced_depth:
             args += (replaced_depth, root_id)
-        roles = {"lock": keys.lock, "fence": keys.fence, "done": keys.done}
         reply = self._call(
-            "acquire",
-            roles,
-            keys.lock,
-            lambda: self._evalsha(self.scripts.acquire, [keys.lock, keys.fence, keys.done], args),
-        )
+            "acquire", keys, _ACQUIRE_ROLES, None,
+            self._evalsha, self.scripts.acquire, [keys.lock, keys.fence, keys.done], args,
+        )  # fmt: skip
         return _parse_acquire(reply, keys.lock)
 
     def release(
@@ -737,16 +752,12 @@ class LockStore:
             else encode_done(lease.holder.task_id, lease.handed_on),
             lease.fence,
         ]
-        tries = 0
-
-        def run() -> Any:
-            nonlocal tries
-            tries += 1
-            return self._evalsha(self.scripts.release, [keys.lock, keys.done, keys.fence], args)
-
-        roles = {"lock": keys.lock, "done": keys.done, "fence": keys.fence}
-        reply = self._call("release", roles, keys.lock, run)
-        retried = tries > 1 or tried_before
+        tries = [1]
+        reply = self._call(
+            "release", keys, _RELEASE_ROLES, tries,
+            self._evalsha, self.scripts.release, [keys.lock, keys.done, keys.fence], args,
+        )  # fmt: skip
+        retried = tries[0] > 1 or tried_before
         if reply == _RELEASED_BEFORE:
             logger.info(
                 "celery-lock: release of %s found it done by an earlier try whose reply was lost",
@@ -795,10 +806,7 @@ class LockStore:
 
     def _swap_hand_on(self, what: str, keys: RequestKeys, args: list[Any]) -> int:
         reply: int = self._call(
-            what,
-            {"done": keys.done},
-            keys.lock,
-            lambda: self._evalsha(self.scripts.swap_hand_on, [keys.done], args),
+            what, keys, ("done",), None, self._evalsha, self.scripts.swap_hand_on, [keys.done], args
         )
         return reply
 
@@ -918,6 +926,25 @@ def cluster_masters(client: redis.Redis) -> int | None:
         if name == "cluster_size" and value.strip().isdigit():
             return int(value)
     return None
+
+
+#: The keys each script touches, in the order :meth:`LockStore.diagnose` looks at them.
+_ACQUIRE_ROLES = ("lock", "fence", "done")
+_RELEASE_ROLES = ("lock", "done", "fence")
+
+
+def _again(
+    fn: Callable[..., T], fn_args: tuple[Any, ...], tries: list[int] | None
+) -> Callable[[], T]:
+    """``fn(*fn_args)`` as a call of no arguments, for the tries after a first one failed,
+    each counted in ``tries`` (if given)."""
+
+    def call() -> T:
+        if tries is not None:
+            tries[0] += 1
+        return fn(*fn_args)
+
+    return call
 
 
 def _transient(exc: BaseException) -> bool:
