@@ -896,6 +896,11 @@ class RequestKeys:
     fence: str
     done: str
 
+    def __init__(self, lock: str, fence: str, done: str) -> None:
+        # What the frozen dataclass's own __init__ does (one object.__setattr__ per field),
+        # written into the instance's dict at once: one is made per task.
+        self.__dict__.update(lock=lock, fence=fence, done=done)
+
     @classmethod
     def build(cls, prefix: str, scope: str, request_key: str, task_name: str) -> RequestKeys:
         """Lay out the keys: ``<prefix>:{<scope>:<request key>}:lock`` and its siblings."""

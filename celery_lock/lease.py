@@ -65,6 +65,11 @@ class Holder:
     host: str
     pid: int
 
+    def __init__(self, task_id: str, task_name: str, host: str, pid: int) -> None:
+        # What the frozen dataclass's own __init__ does (one object.__setattr__ per field),
+        # written into the instance's dict at once: one is made per task.
+        self.__dict__.update(task_id=task_id, task_name=task_name, host=host, pid=pid)
+
     def describe(self, since_ms: int) -> str:
         """The holder as the lock records it: JSON, read by Python only (``celery lock``, a
         copy that finds the lease held)."""
@@ -131,6 +136,9 @@ class Acquired:
     """The lease was granted; ``fence`` is strictly greater than every earlier grant's."""
 
     fence: int
+
+    def __init__(self, fence: int) -> None:
+        self.__dict__["fence"] = fence  # as the frozen dataclass's __init__, without its call
 
 
 @dataclass(frozen=True)
