@@ -722,13 +722,15 @@ class KeyDeriver:
         arguments = self.bind(args, kwargs)
         if spec is None:
             return digest_arguments(self.task_name, arguments)
-        missing = [name for name in self._fields if name not in arguments]
-        if missing:
-            raise LockKeyError(
-                f"the call has no argument {', '.join(map(repr, missing))} for lock_key {spec!r}",
-                task_name=self.task_name,
-            )
         fields = self._fields
+        for name in fields:  # a loop, not a comprehension's frame of its own, on every task
+            if name not in arguments:
+                missing = [name for name in fields if name not in arguments]
+                raise LockKeyError(
+                    f"the call has no argument {', '.join(map(repr, missing))} for lock_key "
+                    f"{spec!r}",
+                    task_name=self.task_name,
+                )
         # The first field first, without a generator: this runs for every task.
         if (
             fields

@@ -414,7 +414,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def _request_keys(
         self, settings: LockSettings, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> RequestKeys:
-        request_key = self._request_key(args, kwargs)
+        # self._request_key(args, kwargs), without its call (this runs for every task)
+        request_key = self._key_deriver().request_key(*self._as_sent(args, kwargs))
         return RequestKeys.build(
             settings.key_prefix, self.lock_scope or self.name, request_key, self.name
         )
