@@ -414,8 +414,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def _request_keys(
         self, settings: LockSettings, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> RequestKeys:
-        # self._request_key(args, kwargs), without its call (this runs for every task)
-        request_key = self._key_deriver().request_key(*self._as_sent(args, kwargs))
+        # self._request_key(args, kwargs), with the usual case of _key_deriver() and _as_sent()
+        # taken here, without their calls (this runs for every task).
+        deriver = self._lock_deriver
+        if deriver is None or (deriver.task_name != self.name and self.name):
+            deriver = self._key_deriver()
+        if getattr(self, "_dump_pydantic_arguments", None) is not None:
+            args, kwargs = self._as_sent(args, kwargs)  # type: ignore[assignment]
+        request_key = deriver.request_key(args, kwargs)
         return RequestKeys.build(
             settings.key_prefix, self.lock_scope or self.name, request_key, self.name
         )
