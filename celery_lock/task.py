@@ -960,7 +960,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
             with contextlib.suppress(LockStoreError):
                 lease.store.release(lease, success=success, done_ttl_ms=settings.done_ttl_ms)
             raise
-        self._released(lease, success=success, owned=owned)
+        if owned is False or signals.lock_released.receivers:  # else _released does nothing
+            self._released(lease, success=success, owned=owned)
         return True
 
     def _released(self, lease: Lease, *, success: bool, owned: bool | None) -> None:
