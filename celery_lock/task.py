@@ -527,7 +527,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             task_id=request.id or "",
             task_name=self.name,
             host=request.hostname or runtime.hostname,
-            pid=os.getpid(),
+            pid=runtime.pid,  # os.getpid(), as get_runtime just checked, without the syscall
         )
         store = runtime.store_for(settings)
         token = new_token()
