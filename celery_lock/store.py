@@ -361,7 +361,7 @@ class LockStore:
         Used by another thread meanwhile (the heartbeat handing leases back at shutdown), the
         command goes through the pool instead.
         """
-        if not self._own_guard.acquire(blocking=False):
+        if not self._own_guard.acquire(False):  # not blocking (positional: no keyword parsing)
             return self.client.execute_command(*command)  # type: ignore[no-untyped-call]
         try:
             connection = self._own
