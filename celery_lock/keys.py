@@ -538,6 +538,10 @@ class KeyDeriver:
     #: A template of two fields or more, cut at its fields (see :meth:`_Cut.key`); ``None`` for
     #: other specs.
     _cut_template: _Cut | None = field(init=False, repr=False, compare=False)
+    #: For a key that is one argument's name (``lock_key="request_idx"``) among parameters that
+    #: are all ordinary ones: that argument's position, for a call that passes every argument
+    #: by position (see :meth:`request_key`); else ``None``.
+    _name_position: int | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         parameters = self.signature.parameters.values()
@@ -549,6 +553,13 @@ class KeyDeriver:
         object.__setattr__(self, "_sub_fields", any(whole != name for name, whole in fields))
         cut = _Cut.of(self.spec) if isinstance(self.spec, str) and len(fields) > 1 else None
         object.__setattr__(self, "_cut_template", cut)
+        spec = self.spec
+        position = (
+            names.index(spec)
+            if isinstance(spec, str) and "{" not in spec and names is not None and spec in names
+            else None
+        )
+        object.__setattr__(self, "_name_position", position)
 
     @classmethod
     def create(cls, task_name: str, signature: inspect.Signature, spec: LockKeySpec) -> KeyDeriver:
@@ -717,6 +728,19 @@ class KeyDeriver:
                 ``lock_key`` raised, or returned ``None`` or such an object.
         """
         spec = self.spec
+        position = self._name_position
+        if position is not None and not kwargs and len(args) == len(self._plain_names or ()):
+            # The usual call (lock_key="request_idx", every argument passed by position) and the
+            # usual values, keyed as the steps below key them, without binding the arguments:
+            # an int is its digits and never None, a str is itself (safe_key_part makes both
+            # safe: digits and "-" are safe as they are up to MAX_KEY_LENGTH).
+            value = args[position]
+            kind = type(value)
+            if kind is str:
+                return safe_key_part(value)
+            if kind is int:
+                text = str(value)
+                return text if len(text) <= MAX_KEY_LENGTH else safe_key_part(text)
         if callable(spec):
             return safe_key_part(self._call_key_function(spec, args, kwargs))
         arguments = self.bind(args, kwargs)
