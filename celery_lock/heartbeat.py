@@ -140,7 +140,8 @@ class Heartbeat:
             # Waking the thread costs every task a thread switch: wake it only when its wait
             # is too long for this lease. Since it waits the shortest interval seen even while
             # no lease is held, a process running one task after another never wakes it.
-            self._idle_interval = min(self._idle_interval, interval)
+            if interval < self._idle_interval:  # noqa: PLR1730 - min(), without its call per task
+                self._idle_interval = interval
             shorter = interval < self._waiting
         if not self._alive:  # self.running, without the property's call on every task
             self.start()
