@@ -710,6 +710,8 @@ class LockStore:
             "acquire", keys, _ACQUIRE_ROLES, None,
             self._evalsha, self.scripts.acquire, [keys.lock, keys.fence, keys.done], args,
         )  # fmt: skip
+        if isinstance(reply, int):  # a grant, as _parse_acquire reads it, without its call
+            return Acquired(reply)
         return _parse_acquire(reply, keys.lock)
 
     def release(
