@@ -339,6 +339,29 @@ def test_default_key_ignores_how_the_arguments_are_passed(a: Any, b: Any, c: Any
     assert derive.request_key((a, b), {"c": c}) == expected
 
 
+def _by_name(tenant: Any, request_idx: Any, note: Any) -> None:
+    pass
+
+
+@settings(max_examples=300)
+@given(
+    value=st.integers()
+    | st.integers(min_value=10**127, max_value=10**200)
+    | st.text()
+    | huge_text
+    | st.sampled_from(["", "-", "{x}", "a~b", "héllo", "\ud800", "0" * 129, "-1" * 70]),
+    other=json_values,
+)
+def test_a_name_key_of_positional_arguments_is_the_key_bound_arguments_give(
+    value: Any, other: Any
+) -> None:
+    # An int or str passed by position under lock_key="request_idx" is keyed without binding
+    # the arguments: the same key as the steps that bind them (passed by name).
+    derive = KeyDeriver.create("t", inspect.signature(_by_name), "request_idx")
+    bound = {"tenant": other, "request_idx": value, "note": other}
+    assert derive.request_key((other, value, other), {}) == derive.request_key((), bound)
+
+
 @settings(max_examples=150)
 @given(a=json_values)
 def test_default_key_applies_defaults(a: Any) -> None:
