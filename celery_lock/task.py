@@ -122,7 +122,6 @@ _REPLACEMENTS_KEEP_THEIR_DEPTH = (
 )
 #: ``Task.retry``'s parameters in their order, before its publish options.
 _RETRY_PARAMETERS = ("args", "kwargs", "exc", "throw", "eta", "countdown", "max_retries")
-#: First and longest wait before a deferred copy is tried again, in seconds.
 #: What a publish raises when the broker could not take the message for now: a lost or
 #: refused connection, a nack under publisher confirms.
 _BROKER_FOR_NOW = (
@@ -132,6 +131,7 @@ _BROKER_FOR_NOW = (
     redis.ConnectionError,
     redis.TimeoutError,
 )
+#: First and longest wait before a deferred copy is tried again, in seconds.
 DEFER_MIN_DELAY = 0.5
 DEFER_MAX_DELAY = 60.0
 
@@ -607,7 +607,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def _revoke_expired(
         self, lease: Lease, settings: LockSettings, heartbeat: Heartbeat
     ) -> _Ignored:
-        """A message delivered again past its ``expires``, which no run of its holds: give the
+        """A message delivered again past its ``expires``, which no run of it holds: give the
         grant back, and have the main process revoke it as Celery's would have
         (:meth:`LockedRequest.maybe_expire` let it through, since a run of its first delivery
         might have held the request)."""
