@@ -132,8 +132,9 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
         return "the retry ran"
 
     @celery_app.task(
-        base=LockedTask, bind=True, lock_key="request_idx", name="t.unsent", max_retries=3
-    )
+        base=LockedTask, bind=True, lock_key="request_idx", name="t.unsent", max_retries=3,
+        lock_ttl=1.0,  # what a retry given back leaves to lapse before the request runs again
+    )  # fmt: skip
     def unsent(self: Any, request_idx: int, refusal: str) -> str:
         # Its first run's retry cannot be published: the broker refuses it for now (a lost
         # connection, a full queue), or for good (no such serializer: every publish fails).
@@ -845,9 +846,9 @@ def test_a_retry_that_no_publish_can_send_is_not_given_back(
 ) -> None:
     # Every publish fails: given back, the body would run again and again, at once (a review's
     # run: 480 runs in 10 s). Left to Celery, which rejects the message.
-    result = tasks["unsent"].delay(7, "for-good")
-    wait_for("the run to end", lambda: result.state == "FAILURE", TIMEOUT)
-    time.sleep(0.5)  # a message given back would be running again by now
+    tasks["unsent"].delay(7, "for-good")
+    wait_for("the run", lambda: calls.count("t.unsent"), TIMEOUT)
+    time.sleep(3.0)  # given back, it would have run again once its lease (1 s) lapsed
     assert calls.count("t.unsent") == 1
 
 
