@@ -161,7 +161,10 @@ def test_py_spy_samples_a_prefork_worker_from_outside() -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout)["summary"]
     assert summary["main_us"] > 0
-    assert summary["pool_us"] >= summary["lock_us"] > summary["lock_own_us"] > 0
+    # The library's own Python is a few µs per task since the per-task cuts of 2026-11-27: a
+    # 600-task run at 1,000 samples a second may catch none of it at the top of the stack (one
+    # CI run did), while its frames, round trips included, are always sampled.
+    assert summary["pool_us"] >= summary["lock_us"] > summary["lock_own_us"] >= 0
     assert any("celery_lock/" in frame for frame, _ in summary["pool_top"])
 
 
