@@ -197,33 +197,28 @@ def conf_value(conf: Mapping[str, Any], setting: str) -> tuple[Any, str]:
 
 def _seconds_of(field: str) -> Callable[[str, Any], float]:
     """The validator of the duration ``field``: seconds, from its minimum to ten years."""
+    least = MIN_SECONDS[field]
 
     def validate(setting: str, value: Any) -> float:
-        seconds = _positive_seconds(setting, value)
-        least = MIN_SECONDS[field]
-        if seconds < least:
+        if isinstance(value, bool):
+            raise ConfigurationError(setting, f"expected seconds, got {value!r}")
+        seconds = value
+        if not isinstance(seconds, (int, float)):
+            try:
+                seconds = float(seconds)
+            except (TypeError, ValueError):
+                raise ConfigurationError(setting, f"expected seconds, got {value!r}") from None
+        # "not >=", so NaN is refused too. The least value, not "positive", for 0 as well: it
+        # says what to write instead (who wants no done-marker at all tries 0 first).
+        if not seconds >= least:
             raise ConfigurationError(setting, f"must be at least {least} seconds, got {value!r}")
-        return seconds
+        if seconds > MAX_SECONDS:
+            raise ConfigurationError(
+                setting, f"must be at most {MAX_SECONDS:.0f} seconds (ten years), got {value!r}"
+            )
+        return float(seconds)
 
     return validate
-
-
-def _positive_seconds(setting: str, value: Any) -> float:
-    if isinstance(value, bool):
-        raise ConfigurationError(setting, f"expected seconds, got {value!r}")
-    if not isinstance(value, (int, float)):
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise ConfigurationError(setting, f"expected seconds, got {value!r}") from None
-    # An int is finite, and one past float range (10**400) would overflow math.isfinite.
-    if not (isinstance(value, int) or math.isfinite(value)) or value <= 0:
-        raise ConfigurationError(setting, f"must be a positive number of seconds, got {value!r}")
-    if value > MAX_SECONDS:
-        raise ConfigurationError(
-            setting, f"must be at most {MAX_SECONDS:.0f} seconds (ten years), got {value!r}"
-        )
-    return float(value)
 
 
 def _on_duplicate(setting: str, value: Any) -> OnDuplicate:

@@ -420,7 +420,11 @@ def _render(value: Any) -> str | bytes:
         # A subclass's own __str__ is lost on the way: the worker keys the base type's text.
         return _render(_as_received(value))
     if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:
-        raise TypeError(f"a {kind.__name__} has no text of its own (give it __str__)")
+        # Not "give it __str__": Celery's JSON serializer would then refuse it at publish.
+        raise TypeError(
+            f"an object of type {kind.__name__} has no text of its own: pass a JSON value "
+            f"such as its id, or reach one of its fields in the template ('{{order.id}}')"
+        )
     return _named(str(value))
 
 
@@ -516,6 +520,13 @@ class _Cut(NamedTuple):
         return _digested(_SPLIT_TAG + data, joined)
 
 
+#: What a ``lock_key`` naming no argument of the task adds to its error.
+_ONE_REQUEST_HINT = (
+    "; for one request whatever the arguments, write a template of literal text alone, such "
+    "as '{{global}}' (its key is the text '{global}')"
+)
+
+
 def _escaped_field(name: str) -> re.Pattern[str]:
     """``{{name}}`` as a template escapes it, with any attribute, item, conversion or spec
     (``{{order.id}}``, ``{{ idx!r }}``): the literal text of what was meant as a field."""
@@ -585,15 +596,25 @@ class KeyDeriver:
                     task_name=task_name,
                 )
             if missing and var_keyword is None:
+                # A plain name that is no argument: maybe meant as one request whatever the
+                # arguments (celery-once's keys=[]), which is a template of literal text alone.
+                hint = "" if "{" in spec else _ONE_REQUEST_HINT
                 raise LockKeyError(
                     f"lock_key {spec!r} names {', '.join(map(repr, missing))}, which is not an "
-                    f"argument of {task_name}{signature}",
+                    f"argument of {task_name}{signature}{hint}",
                     task_name=task_name,
                 )
         elif spec is not None and not callable(spec):
+            # A list of names, as celery-once's keys=[...] and celery-singleton's unique_on=[...]
+            # take them: what a template of those names would key.
+            names = list(spec) if isinstance(spec, (list, tuple)) else []
+            hint = ""
+            if names and all(isinstance(name, str) and name.isidentifier() for name in names):
+                template = ":".join("{" + name + "}" for name in names)
+                hint = f": write {names[0] if len(names) == 1 else template!r} instead"
             raise LockKeyError(
                 f"lock_key must be an argument name, a template or a callable, "
-                f"not {type(spec).__name__}",
+                f"not {type(spec).__name__}{hint}",
                 task_name=task_name,
             )
         return deriver

@@ -384,6 +384,21 @@ def test_invalid_task_option_names_the_option(name: str, value: Any) -> None:
     assert str(raised.value).startswith(f"tasks.t.lock_{name}: ")
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "least"),
+    [("done_ttl", 0, 0.001), ("done_ttl", -1, 0.001), ("ttl", math.nan, 0.1),
+     ("heartbeat_interval", 0.005, 0.01)],
+)  # fmt: skip
+def test_a_duration_below_its_least_value_is_told_that_value(
+    name: str, value: float, least: float
+) -> None:
+    """A user who wants no done-marker tries ``lock_done_ttl=0``: the error says what comes
+    closest (the migration guide's one-second marker, or the least the setting takes)."""
+    with pytest.raises(ConfigurationError) as raised:
+        LockSettings.resolve({}, {f"lock_{name}": value})
+    assert str(raised.value) == f"lock_{name}: must be at least {least} seconds, got {value!r}"
+
+
 @pytest.mark.parametrize(("name", "value"), INVALID[:3], ids=INVALID_IDS[:3])
 def test_invalid_task_option_without_task_name_names_the_option(name: str, value: Any) -> None:
     with pytest.raises(ConfigurationError, match=rf"^lock_{name}: "):
@@ -974,7 +989,7 @@ def test_the_lower_case_name_wins_over_the_upper_case_one() -> None:
 
 
 def test_invalid_upper_case_setting_is_named_as_written() -> None:
-    with pytest.raises(ConfigurationError, match=r"^CELERY_LOCK_TTL: must be a positive"):
+    with pytest.raises(ConfigurationError, match=r"^CELERY_LOCK_TTL: must be at least 0.1 seconds"):
         LockSettings.resolve(_app_from(type("Bad", (), {"CELERY_LOCK_TTL": -1})).conf)
     conf = {"CELERY_LOCK_TTL": 30, "CELERY_LOCK_HEARTBEAT_INTERVAL": 30}
     with pytest.raises(ConfigurationError, match=r"^CELERY_LOCK_HEARTBEAT_INTERVAL: .*shorter"):

@@ -956,6 +956,35 @@ def test_lock_key_naming_a_missing_argument_fails_at_class_creation() -> None:
     assert raised.value.task_name == "keys_tests.missing"
 
 
+@pytest.mark.parametrize(
+    ("spec", "hint"),
+    [("global", "such as '{{global}}' (its key is the text '{global}')"),
+     ("", "such as '{{global}}'"),
+     (["request_idx", "tenant"], "not list: write '{request_idx}:{tenant}' instead"),
+     (("request_idx",), "not tuple: write 'request_idx' instead")],
+)  # fmt: skip
+def test_lock_key_as_the_peers_spell_it_is_told_how_to_write_it(spec: Any, hint: str) -> None:
+    """celery-once's ``keys=[]`` (one request whatever the arguments) and its, or
+    celery-singleton's, list of names: the error says what stands for them."""
+    with pytest.raises(LockKeyError) as raised:
+
+        @app.task(name=f"keys_tests.peer_spelling_{spec!r}", lock_key=spec, **TASK_OPTIONS)
+        def peer_spelling(request_idx: Any, tenant: Any) -> None:
+            pass
+
+    assert hint in str(raised.value)
+
+
+def test_lock_key_as_a_list_of_anything_else_gets_no_hint() -> None:
+    with pytest.raises(LockKeyError) as raised:
+
+        @app.task(name="keys_tests.list_of_ints", lock_key=[1, 2], **TASK_OPTIONS)
+        def list_of_ints(request_idx: Any) -> None:
+            pass
+
+    assert str(raised.value).endswith("not list")
+
+
 def test_lock_key_naming_a_missing_argument_fails_at_finalize_for_a_lazy_task() -> None:
     lazy_app = Celery("keys_tests_lazy", broker="memory://", set_as_current=False)
 
@@ -1257,7 +1286,7 @@ class _Named:
 @pytest.mark.parametrize("task", [by_name, by_template], ids=["name", "template"])
 def test_an_argument_whose_only_text_is_its_address_is_refused(task: Any) -> None:
     # str() of it differs on every call: each call would be a request of its own, silently.
-    with pytest.raises(LockKeyError, match="_Opaque has no text of its own"):
+    with pytest.raises(LockKeyError, match="type _Opaque has no text of its own: pass a JSON"):
         task.request_keys((_Opaque(), _Opaque()), {})
     assert task.request_keys((_Named(), _Named()), {}) == task.request_keys(
         ("named-7", "named-7"), {}
@@ -1317,7 +1346,7 @@ def test_none_reached_beside_another_value_reads_as_null() -> None:
 
 
 def test_a_value_reached_whose_only_text_is_its_address_is_refused() -> None:
-    with pytest.raises(LockKeyError, match="_Opaque has no text of its own"):
+    with pytest.raises(LockKeyError, match="type _Opaque has no text of its own: pass a JSON"):
         _sub_field_deriver("{invoice[number]}").request_key((None, {"number": _Opaque()}), {})
 
 

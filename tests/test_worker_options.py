@@ -53,7 +53,7 @@ def test_worker_help_lists_lock_options(worker_env: dict[str, str]) -> None:
 
 @pytest.mark.parametrize(
     ("option", "value", "problem"),
-    [("--lock-ttl", "-5", "must be a positive number of seconds"),
+    [("--lock-ttl", "-5", "must be at least 0.1 seconds, got -5.0"),
      ("--lock-redis-url", "http://nope", "expected a redis://")],
 )  # fmt: skip
 def test_bad_worker_option_is_a_one_line_usage_error(
@@ -82,7 +82,7 @@ def test_worker_option_contradicting_the_conf_is_a_one_line_usage_error(
 
 @pytest.mark.parametrize(
     ("conf", "problem"),
-    [({"celery_lock_ttl": -5}, "celery_lock_ttl: must be a positive number of seconds, got -5"),
+    [({"celery_lock_ttl": -5}, "celery_lock_ttl: must be at least 0.1 seconds, got -5"),
      ({"celery_lock_on_duplicate": "drop"}, "celery_lock_on_duplicate: must be one of")],
 )  # fmt: skip
 def test_an_invalid_setting_of_the_app_stops_the_worker_with_one_line(
@@ -102,7 +102,7 @@ def test_binding_a_locked_task_installs_celery_lock_without_install_being_called
     env = {**os.environ, "BARE_CONF": json.dumps({"celery_lock_ttl": -5})}
     done = celery("worker", "--pool", "solo", env=env, timeout=30, app="tests.apps.bare_app")
     assert done.returncode == 1, done.stderr
-    assert "Error: celery-lock: celery_lock_ttl: must be a positive number" in done.stderr
+    assert "Error: celery-lock: celery_lock_ttl: must be at least 0.1 seconds" in done.stderr
 
 
 def test_worker_option_contradicting_a_task_option_names_both() -> None:
