@@ -569,6 +569,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
             )  # fmt: skip
             if request.expires and getattr(request, EXPIRED_FIELD, False):  # one read, mostly
                 return self._revoke_expired(lease, settings, runtime.heartbeat)
+            if lease.expired:  # the grant's reply came a whole TTL after it was asked
+                unreachable = self._confirm_late_grant(lease, args, kwargs)
+                if unreachable is not None:
+                    return self._without_store(unreachable, settings, keys, args, kwargs)
             return self._run_with_lease(lease, settings, args, kwargs, request, runtime.heartbeat)
         if isinstance(outcome, Done):
             if (
@@ -603,6 +607,37 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if settings.on_duplicate == "raise":
             raise DuplicateTaskError(keys.lock, outcome.task_id)
         return self._skip(keys, "running", outcome.task_id, settings)
+
+    def _confirm_late_grant(
+        self, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> LockStoreUnavailableError | None:
+        """Confirm a grant that took a whole TTL or more to come back (``None``), or defer the
+        copy, or return the error of a store that did not answer.
+
+        The acquire script ran somewhere between the ask and the reply (a store that stalled,
+        a try made again after a lost reply): the lease may have lapsed already. Counted from
+        the ask, it is expired, and the heartbeat would take it for lost before the body began,
+        never extend it, and another copy would run beside this one. One extend tells: still
+        this token's, the body runs under it, confirmed from that extend on; lapsed, the copy
+        is deferred (a copy that took the request meanwhile holds it); not answered, the store
+        is unavailable, as if the acquire had failed.
+        """
+        sent_at = _monotonic()
+        try:
+            [owned] = lease.store.extend_all([lease])
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            return LockStoreUnavailableError(
+                f"the lock store granted the lease after its TTL, then did not confirm it: {exc}",
+                lease.keys.lock,
+            )
+        if owned:
+            lease.confirmed_at = sent_at
+            return None
+        lapsed = LockStoreUnavailableError(
+            "the lock store granted the lease so late that it had lapsed", lease.keys.lock
+        )
+        logger.warning("celery-lock: %s; deferring task %s", lapsed, self.request.id)
+        self._defer(args, kwargs, lease.keys, "store-unavailable", holder="", pttl_ms=0, exc=lapsed)
 
     def _revoke_expired(
         self, lease: Lease, settings: LockSettings, heartbeat: Heartbeat

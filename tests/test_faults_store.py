@@ -787,6 +787,32 @@ def test_store_down_mid_run_in_prefork_worker_nothing_crashes(
     assert app.send_task("store.work", args=(2,)).get(timeout=TIMEOUT) == 2
 
 
+@pytest.mark.worker
+def test_a_grant_the_paused_store_answered_after_its_ttl_is_kept_in_prefork_worker(
+    lock_server: RedisServer, store_worker: Any, store_env: dict[str, str], producer: Celery
+) -> None:
+    """The lock store stalls longer than the TTL while a copy's acquire waits on it, and then
+    grants the lease: confirmed, the heartbeat keeps it, and a copy sent a TTL later is skipped
+    as running. (Counted from the ask, the lease looked lapsed at birth: the heartbeat gave it
+    up unextended, it lapsed a TTL after the grant, and the second copy ran beside the first.)"""
+    store_worker(STORE_LOCK_TTL="2")
+    app = producer
+    assert app.send_task("store.work", args=(-1,)).get(timeout=TIMEOUT) == -1  # connections up
+    lock_server.pause()
+    try:
+        first = app.send_task("store.work", args=(1,), kwargs={"seconds": 5.0})
+        time.sleep(3.0)  # its acquire waits, a TTL and more (within the socket timeout)
+    finally:
+        lock_server.resume()
+    time.sleep(2.5)  # a TTL after the grant: only the heartbeat holds the lease now
+    second = app.send_task("store.work", args=(1,))
+    assert settle([first, second]) == Counter({"SUCCESS": 1, SKIPPED: 1})
+    [run] = [run for run in recorded(store_env, "store:runs") if run["request_idx"] == 1]
+    assert run["task_id"] == first.id
+    assert run["lost"] is False
+    assert not recorded(store_env, "store:lost")
+
+
 # -- 3. ambiguous replies ---------------------------------------------------------------------
 
 

@@ -1162,6 +1162,73 @@ def test_a_lease_counts_its_ttl_from_before_the_acquire(
     assert confirmed_at < called_at + 0.4  # before the slow acquire, not after it
 
 
+@pytest.fixture
+def late_grant(celery_app: Celery) -> Any:
+    """A task of a short lease, whose body outlasts it: only the heartbeat keeps it held."""
+
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="request_idx", name="t.late_grant", lock_ttl=0.3
+    )
+    def late_grant(self: Any, request_idx: int) -> tuple[bool, int]:
+        time.sleep(0.6)
+        store = get_runtime(celery_app).store_for(self.lock_settings())
+        return self.request.lock_lost, store.client.pttl(self.request.lock_key)
+
+    return late_grant
+
+
+def _slow_acquire(
+    monkeypatch: pytest.MonkeyPatch, task: Any, before: float = 0.0, after: float = 0.0
+) -> None:
+    """The task's acquire takes ``before`` seconds to reach the script and ``after`` to
+    bring its reply back (a store that stalled, a reply lost and the try made again)."""
+    store = get_runtime(task.app).store_for(task.lock_settings())
+    acquire = store.acquire
+
+    def slow_acquire(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(before)
+        outcome = acquire(*args, **kwargs)
+        time.sleep(after)
+        return outcome
+
+    monkeypatch.setattr(store, "acquire", slow_acquire)
+
+
+def test_a_grant_that_came_back_after_its_ttl_is_confirmed_and_kept(
+    late_grant: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The script ran a whole TTL after the ask: counted from the ask, the lease looked lapsed,
+    # and the heartbeat gave it up unextended while Redis held it for this run, for a TTL.
+    _slow_acquire(monkeypatch, late_grant, before=0.4)
+    lost, pttl = late_grant(7)
+    assert not lost
+    assert pttl > 0  # still held, 0.6 s into a body under a 0.3 s lease
+
+
+def test_a_grant_whose_reply_came_after_its_ttl_is_not_run_under(
+    late_grant: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The script ran at once, its reply a whole TTL later: the lease had lapsed, and another
+    # copy could hold the request by now.
+    _slow_acquire(monkeypatch, late_grant, after=0.4)
+    with pytest.raises(LockStoreUnavailableError, match="so late that it had lapsed"):
+        late_grant(7)
+
+
+def test_a_late_grant_the_store_does_not_confirm_counts_as_the_store_unavailable(
+    late_grant: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _slow_acquire(monkeypatch, late_grant, before=0.4)
+
+    def unreachable(leases: Any) -> list[bool]:
+        raise redis.ConnectionError("Connection refused")
+
+    store = get_runtime(late_grant.app).store_for(late_grant.lock_settings())
+    monkeypatch.setattr(store, "extend_all", unreachable)
+    with pytest.raises(LockStoreUnavailableError, match="did not confirm it: Connection refused"):
+        late_grant(7)
+
+
 def test_direct_call_of_held_request_raises(tasks: dict[str, Any], store: LockStore) -> None:
     hold(store, tasks["stage"], 7, "pending-id", task_name="t.pending")
     with pytest.raises(LockContendedError, match="pending-id"):
