@@ -543,24 +543,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
         except LockStoreError as exc:
             return self._without_store(exc, settings, keys, args, kwargs)
         except BaseException as exc:
-            if isinstance(exc, SoftTimeLimitExceeded) and not (
-                request.is_eager or request.called_directly
-            ):
-                # The soft limit came before the body began (a hanging store takes two socket
-                # timeouts, about 10 s, to give up): failed, the message would be acked unrun.
-                # Given back, it comes again; without a release, which against that store would
-                # run into the hard limit, whose kill acks it too. A grant this try may have
-                # made holds the request a TTL, and the message, back, waits for it as a
-                # redelivery of its own.
-                raise Reject(exc, requeue=True) from exc
-            # Raised inside the round trip, perhaps after the script ran: a signal's exception
-            # (SIGTERM's SystemExit in a pool process, a soft time limit) or, under gevent or
-            # eventlet, a kill or a hard time limit. A grant no heartbeat knows would be held
-            # a whole TTL: give back whatever this token may hold (nothing changes if nothing).
+            # Raised inside the round trip, perhaps after the script ran: what this token may
+            # hold (nothing changes if nothing) is given back.
             unknown_grant = Lease(store, keys, token, settings.ttl_ms, 0, holder, 0)
-            with contextlib.suppress(LockStoreError):
-                store.release(unknown_grant, success=False, done_ttl_ms=settings.done_ttl_ms)
-            raise
+            self._cut_before_the_body(exc, request, unknown_grant, settings)
 
         if isinstance(outcome, Acquired):
             lease = Lease(
@@ -570,7 +556,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             if request.expires and getattr(request, EXPIRED_FIELD, False):  # one read, mostly
                 return self._revoke_expired(lease, settings, runtime.heartbeat)
             if lease.expired:  # the grant's reply came a whole TTL after it was asked
-                unreachable = self._confirm_late_grant(lease, args, kwargs)
+                unreachable = self._confirm_late_grant(lease, settings, args, kwargs)
                 if unreachable is not None:
                     return self._without_store(unreachable, settings, keys, args, kwargs)
             return self._run_with_lease(lease, settings, args, kwargs, request, runtime.heartbeat)
@@ -608,8 +594,35 @@ class LockedTask(Task):  # type: ignore[type-arg]
             raise DuplicateTaskError(keys.lock, outcome.task_id)
         return self._skip(keys, "running", outcome.task_id, settings)
 
+    @staticmethod
+    def _cut_before_the_body(
+        exc: BaseException, request: Any, lease: Lease, settings: LockSettings
+    ) -> NoReturn:
+        """Raise ``exc``, which cut a round trip short before the body began, its lease given
+        back; or, for a soft time limit in a worker, give the message back unrun."""
+        if isinstance(exc, SoftTimeLimitExceeded) and not (
+            request.is_eager or request.called_directly
+        ):
+            # The soft limit came before the body began (a hanging store takes two socket
+            # timeouts, about 10 s, to give up): failed, the message would be acked unrun.
+            # Given back, it comes again; without a release, which against that store would
+            # run into the hard limit, whose kill acks it too. A grant this try may have
+            # made holds the request a TTL, and the message, back, waits for it as a
+            # redelivery of its own.
+            raise Reject(exc, requeue=True) from exc
+        # A signal's exception (SIGTERM's SystemExit in a pool process, a soft time limit) or,
+        # under gevent or eventlet, a kill or a hard time limit. A grant no heartbeat knows
+        # would be held a whole TTL: give it back.
+        with contextlib.suppress(LockStoreError):
+            lease.store.release(lease, success=False, done_ttl_ms=settings.done_ttl_ms)
+        raise exc
+
     def _confirm_late_grant(
-        self, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        lease: Lease,
+        settings: LockSettings,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> LockStoreUnavailableError | None:
         """Confirm a grant that took a whole TTL or more to come back (``None``), or defer the
         copy, or return the error of a store that did not answer.
@@ -630,6 +643,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 f"the lock store granted the lease after its TTL, then did not confirm it: {exc}",
                 lease.keys.lock,
             )
+        except BaseException as exc:
+            self._cut_before_the_body(exc, self.request, lease, settings)
         if owned:
             lease.confirmed_at = sent_at
             return None

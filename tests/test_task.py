@@ -1163,13 +1163,14 @@ def test_a_lease_counts_its_ttl_from_before_the_acquire(
 
 
 @pytest.fixture
-def late_grant(celery_app: Celery) -> Any:
+def late_grant(celery_app: Celery, calls: Calls) -> Any:
     """A task of a short lease, whose body outlasts it: only the heartbeat keeps it held."""
 
     @celery_app.task(
         base=LockedTask, bind=True, lock_key="request_idx", name="t.late_grant", lock_ttl=0.3
     )
     def late_grant(self: Any, request_idx: int) -> tuple[bool, int]:
+        calls.seen.append({"task": self.name})
         time.sleep(0.6)
         store = get_runtime(celery_app).store_for(self.lock_settings())
         return self.request.lock_lost, store.client.pttl(self.request.lock_key)
@@ -1227,6 +1228,47 @@ def test_a_late_grant_the_store_does_not_confirm_counts_as_the_store_unavailable
     monkeypatch.setattr(store, "extend_all", unreachable)
     with pytest.raises(LockStoreUnavailableError, match="did not confirm it: Connection refused"):
         late_grant(7)
+
+
+@pytest.mark.parametrize("interruption", [SystemExit, SoftTimeLimitExceeded])
+def test_a_late_grant_s_confirm_cut_short_leaves_the_request_unlocked(
+    late_grant: Any,
+    calls: Calls,
+    lock_redis: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    interruption: type[BaseException],
+) -> None:
+    # A direct call: the exception goes on, and the grant, known to no heartbeat, is given back.
+    _slow_acquire(monkeypatch, late_grant, before=0.4)
+    store = get_runtime(late_grant.app).store_for(late_grant.lock_settings())
+    monkeypatch.setattr(store, "extend_all", mock.Mock(side_effect=interruption))
+    with pytest.raises(interruption):
+        late_grant(7)
+    assert calls.seen == []
+    assert not lock_redis.exists(late_grant.request_keys((7,), {}).lock)
+
+
+def test_a_soft_time_limit_in_a_late_grant_s_confirm_gives_the_message_back(
+    late_grant: Any, worker: Any, calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As in the acquire: failed before the body began, the message would be acked unrun.
+    _slow_acquire(monkeypatch, late_grant, before=0.4)
+    store = get_runtime(late_grant.app).store_for(late_grant.lock_settings())
+    extend_all = store.extend_all
+    interrupted: list[Any] = []
+
+    def interrupted_once(leases: Any) -> list[bool]:
+        if leases and not interrupted:
+            interrupted.append(leases)
+            raise SoftTimeLimitExceeded()
+        return extend_all(leases)
+
+    monkeypatch.setattr(store, "extend_all", interrupted_once)
+    result = late_grant.apply_async((7,))
+    lost, _ = result.get(timeout=TIMEOUT)
+    assert interrupted
+    assert not lost
+    assert calls.count("t.late_grant") == 1
 
 
 def test_direct_call_of_held_request_raises(tasks: dict[str, Any], store: LockStore) -> None:
