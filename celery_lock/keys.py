@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import difflib
 import hashlib
 import inspect
 import json
@@ -420,10 +421,11 @@ def _render(value: Any) -> str | bytes:
         # A subclass's own __str__ is lost on the way: the worker keys the base type's text.
         return _render(_as_received(value))
     if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:
-        # Not "give it __str__": Celery's JSON serializer would then refuse it at publish.
+        # Not "give it __str__", nor "reach a field of it": Celery's JSON serializer would then
+        # refuse the object at publish.
         raise TypeError(
-            f"an object of type {kind.__name__} has no text of its own: pass a JSON value "
-            f"such as its id, or reach one of its fields in the template ('{{order.id}}')"
+            f"an object of type {kind.__name__} has no text of its own: pass a JSON value, "
+            f"such as its id"
         )
     return _named(str(value))
 
@@ -520,11 +522,25 @@ class _Cut(NamedTuple):
         return _digested(_SPLIT_TAG + data, joined)
 
 
-#: What a ``lock_key`` naming no argument of the task adds to its error.
+#: What a ``lock_key`` meant as one request whatever the arguments adds to its error.
 _ONE_REQUEST_HINT = (
     "; for one request whatever the arguments, write a template of literal text alone, such "
     "as '{{global}}' (its key is the text '{global}')"
 )
+
+
+def _plain_name_hint(spec: str, parameters: list[str]) -> str:
+    """What a ``lock_key`` naming no argument of the task adds to its error: the argument it
+    may have meant (a typo), a template reaching into one (``"order.id"``), or, for a name
+    unlike any argument, how to write one request whatever the arguments (celery-once's
+    ``keys=[]``). Never the last for a likely typo: it would turn a lock per request into one."""
+    root = re.split(r"[.\[]", spec, maxsplit=1)[0]
+    if root != spec and root in parameters:
+        return f"; to reach into an argument, write a template: {'{' + spec + '}'!r}"
+    close = difflib.get_close_matches(spec.strip(), parameters, n=1)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return _ONE_REQUEST_HINT if spec.isidentifier() or not spec else ""
 
 
 def _escaped_field(name: str) -> re.Pattern[str]:
@@ -596,9 +612,7 @@ class KeyDeriver:
                     task_name=task_name,
                 )
             if missing and var_keyword is None:
-                # A plain name that is no argument: maybe meant as one request whatever the
-                # arguments (celery-once's keys=[]), which is a template of literal text alone.
-                hint = "" if "{" in spec else _ONE_REQUEST_HINT
+                hint = "" if "{" in spec else _plain_name_hint(spec, list(signature.parameters))
                 raise LockKeyError(
                     f"lock_key {spec!r} names {', '.join(map(repr, missing))}, which is not an "
                     f"argument of {task_name}{signature}{hint}",
@@ -609,7 +623,9 @@ class KeyDeriver:
             # take them: what a template of those names would key.
             names = list(spec) if isinstance(spec, (list, tuple)) else []
             hint = ""
-            if names and all(isinstance(name, str) and name.isidentifier() for name in names):
+            if isinstance(spec, (list, tuple)) and not names:  # celery-once's keys=[]
+                hint = _ONE_REQUEST_HINT
+            elif names and all(isinstance(name, str) and name.isidentifier() for name in names):
                 template = ":".join("{" + name + "}" for name in names)
                 hint = f": write {names[0] if len(names) == 1 else template!r} instead"
             raise LockKeyError(

@@ -555,7 +555,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
             )  # fmt: skip
             if request.expires and getattr(request, EXPIRED_FIELD, False):  # one read, mostly
                 return self._revoke_expired(lease, settings, runtime.heartbeat)
-            if lease.expired:  # the grant's reply came a whole TTL after it was asked
+            # Counted from the ask, a late grant may have so little left that the heartbeat's
+            # first beat, up to an interval away, finds it expired: it is confirmed first.
+            waited = _monotonic() - asked_at
+            if waited >= settings.interval or waited >= settings.ttl - settings.interval:
                 unreachable = self._confirm_late_grant(lease, settings, args, kwargs)
                 if unreachable is not None:
                     return self._without_store(unreachable, settings, keys, args, kwargs)
@@ -624,16 +627,16 @@ class LockedTask(Task):  # type: ignore[type-arg]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> LockStoreUnavailableError | None:
-        """Confirm a grant that took a whole TTL or more to come back (``None``), or defer the
-        copy, or return the error of a store that did not answer.
+        """Confirm a grant that took a heartbeat interval or more to come back (``None``), or
+        defer the copy, or return the error of a store that did not answer.
 
         The acquire script ran somewhere between the ask and the reply (a store that stalled,
         a try made again after a lost reply): the lease may have lapsed already. Counted from
-        the ask, it is expired, and the heartbeat would take it for lost before the body began,
-        never extend it, and another copy would run beside this one. One extend tells: still
-        this token's, the body runs under it, confirmed from that extend on; lapsed, the copy
-        is deferred (a copy that took the request meanwhile holds it); not answered, the store
-        is unavailable, as if the acquire had failed.
+        the ask, it may be expired, or expire before the heartbeat's first beat, which would
+        take it for lost, never extend it, and another copy would run beside this one. One
+        extend tells: still this token's, the body runs under it, confirmed from that extend
+        on; lapsed (or confirmed a TTL late), the copy is deferred (a copy that took the request
+        meanwhile holds it); not answered, the store is unavailable, as if the acquire had failed.
         """
         sent_at = _monotonic()
         try:
@@ -647,7 +650,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
             self._cut_before_the_body(exc, self.request, lease, settings)
         if owned:
             lease.confirmed_at = sent_at
-            return None
+            if not lease.expired:
+                return None
+            # The confirm's own reply came a TTL late: the grant may have lapsed since.
+            with contextlib.suppress(LockStoreError):
+                lease.store.release(lease, success=False, done_ttl_ms=settings.done_ttl_ms)
         lapsed = LockStoreUnavailableError(
             "the lock store granted the lease so late that it had lapsed", lease.keys.lock
         )

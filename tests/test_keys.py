@@ -960,6 +960,10 @@ def test_lock_key_naming_a_missing_argument_fails_at_class_creation() -> None:
     ("spec", "hint"),
     [("global", "such as '{{global}}' (its key is the text '{global}')"),
      ("", "such as '{{global}}'"),
+     ([], "not list; for one request whatever the arguments, write a template of literal text"),
+     # Never the one-request hint for a likely typo: a lock per request would become one.
+     ("request_id", "; did you mean 'request_idx'?"),
+     ("tenant.id", "; to reach into an argument, write a template: '{tenant.id}'"),
      (["request_idx", "tenant"], "not list: write '{request_idx}:{tenant}' instead"),
      (("request_idx",), "not tuple: write 'request_idx' instead")],
 )  # fmt: skip

@@ -1195,12 +1195,14 @@ def _slow_acquire(
     monkeypatch.setattr(store, "acquire", slow_acquire)
 
 
-def test_a_grant_that_came_back_after_its_ttl_is_confirmed_and_kept(
-    late_grant: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("late", [0.25, 0.4], ids=["within-its-ttl", "after-its-ttl"])
+def test_a_grant_that_came_back_late_is_confirmed_and_kept(
+    late_grant: Any, monkeypatch: pytest.MonkeyPatch, late: float
 ) -> None:
-    # The script ran a whole TTL after the ask: counted from the ask, the lease looked lapsed,
-    # and the heartbeat gave it up unextended while Redis held it for this run, for a TTL.
-    _slow_acquire(monkeypatch, late_grant, before=0.4)
+    # The script ran late, the lease counted from the ask: it looked lapsed, or lapsed before
+    # the heartbeat's first beat (an interval, 0.1 s, after the body began), which gave it up
+    # unextended while Redis held it for this run, for a TTL.
+    _slow_acquire(monkeypatch, late_grant, before=late)
     lost, pttl = late_grant(7)
     assert not lost
     assert pttl > 0  # still held, 0.6 s into a body under a 0.3 s lease
@@ -1214,6 +1216,24 @@ def test_a_grant_whose_reply_came_after_its_ttl_is_not_run_under(
     _slow_acquire(monkeypatch, late_grant, after=0.4)
     with pytest.raises(LockStoreUnavailableError, match="so late that it had lapsed"):
         late_grant(7)
+
+
+def test_a_late_grant_whose_confirm_came_back_after_its_ttl_is_not_run_under(
+    late_grant: Any, calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _slow_acquire(monkeypatch, late_grant, before=0.4)
+    store = get_runtime(late_grant.app).store_for(late_grant.lock_settings())
+    extend_all = store.extend_all
+
+    def slow_extend_all(leases: Any) -> list[bool]:
+        owned = extend_all(leases)
+        time.sleep(0.4)
+        return owned
+
+    monkeypatch.setattr(store, "extend_all", slow_extend_all)
+    with pytest.raises(LockStoreUnavailableError, match="so late that it had lapsed"):
+        late_grant(7)
+    assert calls.seen == []
 
 
 def test_a_late_grant_the_store_does_not_confirm_counts_as_the_store_unavailable(
