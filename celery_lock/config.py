@@ -306,6 +306,14 @@ class LockSettings:
         """Seconds between heartbeats."""
         return self.heartbeat_interval or self.ttl / 3
 
+    @cached_property
+    def late_after(self) -> float:
+        """Seconds after it was asked for past which a grant comes back too late to go
+        unconfirmed: its lease, counted from the ask, must outlast the heartbeat's first beat
+        (up to an interval after the body began) with room to spare. An interval, or half of
+        what a lease has left after one if that is less (an interval above half the TTL)."""
+        return min(self.interval, (self.ttl - self.interval) / 2)
+
     @classmethod
     def resolve(
         cls,

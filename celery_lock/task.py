@@ -557,8 +557,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 return self._revoke_expired(lease, settings, runtime.heartbeat)
             # Counted from the ask, a late grant may have so little left that the heartbeat's
             # first beat, up to an interval away, finds it expired: it is confirmed first.
-            waited = _monotonic() - asked_at
-            if waited >= settings.interval or waited >= settings.ttl - settings.interval:
+            if _monotonic() - asked_at >= settings.late_after:
                 unreachable = self._confirm_late_grant(lease, settings, args, kwargs)
                 if unreachable is not None:
                     return self._without_store(unreachable, settings, keys, args, kwargs)
@@ -627,39 +626,46 @@ class LockedTask(Task):  # type: ignore[type-arg]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> LockStoreUnavailableError | None:
-        """Confirm a grant that took a heartbeat interval or more to come back (``None``), or
-        defer the copy, or return the error of a store that did not answer.
+        """Confirm a grant that came back late (``None``), or defer the copy, or return the
+        error of a store that did not answer.
 
         The acquire script ran somewhere between the ask and the reply (a store that stalled,
         a try made again after a lost reply): the lease may have lapsed already. Counted from
         the ask, it may be expired, or expire before the heartbeat's first beat, which would
         take it for lost, never extend it, and another copy would run beside this one. One
-        extend tells: still this token's, the body runs under it, confirmed from that extend
-        on; lapsed (or confirmed a TTL late), the copy is deferred (a copy that took the request
-        meanwhile holds it); not answered, the store is unavailable, as if the acquire had failed.
+        extend tells: still this token's, and its reply not late itself, the body runs under
+        it, confirmed from that extend on; else the copy is deferred (a copy that took the
+        request meanwhile holds it); not answered, the store is unavailable, as if the acquire
+        had failed.
         """
         sent_at = _monotonic()
+        owned: bool | None = None  # None: owned, but confirmed too late to keep
         try:
             [owned] = lease.store.extend_all([lease])
+            if owned and _monotonic() - sent_at >= settings.late_after:
+                # Late again: as late a grant, its lease would lapse before the first beat.
+                owned = None
+                lease.store.release(lease, success=False, done_ttl_ms=settings.done_ttl_ms)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             return LockStoreUnavailableError(
-                f"the lock store granted the lease after its TTL, then did not confirm it: {exc}",
+                f"the lock store granted the lease late, then did not confirm it: {exc}",
                 lease.keys.lock,
             )
+        except LockStoreError:
+            pass  # the release of a lease confirmed too late: left to lapse
         except BaseException as exc:
             self._cut_before_the_body(exc, self.request, lease, settings)
         if owned:
             lease.confirmed_at = sent_at
-            if not lease.expired:
-                return None
-            # The confirm's own reply came a TTL late: the grant may have lapsed since.
-            with contextlib.suppress(LockStoreError):
-                lease.store.release(lease, success=False, done_ttl_ms=settings.done_ttl_ms)
-        lapsed = LockStoreUnavailableError(
-            "the lock store granted the lease so late that it had lapsed", lease.keys.lock
+            return None
+        late = LockStoreUnavailableError(
+            "the lock store granted the lease so late that it had lapsed"
+            if owned is False
+            else "the lock store confirmed a late grant too late to keep it",
+            lease.keys.lock,
         )
-        logger.warning("celery-lock: %s; deferring task %s", lapsed, self.request.id)
-        self._defer(args, kwargs, lease.keys, "store-unavailable", holder="", pttl_ms=0, exc=lapsed)
+        logger.warning("celery-lock: %s; deferring task %s", late, self.request.id)
+        self._defer(args, kwargs, lease.keys, "store-unavailable", holder="", pttl_ms=0, exc=late)
 
     def _revoke_expired(
         self, lease: Lease, settings: LockSettings, heartbeat: Heartbeat

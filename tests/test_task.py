@@ -1218,22 +1218,54 @@ def test_a_grant_whose_reply_came_after_its_ttl_is_not_run_under(
         late_grant(7)
 
 
-def test_a_late_grant_whose_confirm_came_back_after_its_ttl_is_not_run_under(
-    late_grant: Any, calls: Calls, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _slow_acquire(monkeypatch, late_grant, before=0.4)
+@pytest.mark.parametrize("late", [0.15, 0.4], ids=["within-its-ttl", "after-its-ttl"])
+def test_a_late_grant_whose_confirm_came_back_late_too_is_given_back_unrun(
+    late_grant: Any, calls: Calls, lock_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    late: float,
+) -> None:  # fmt: skip
+    # Confirmed as late as the grant was, the lease would lapse before the heartbeat's first
+    # beat: it is given back (within its TTL, still held: released), and the copy deferred.
+    _slow_acquire(monkeypatch, late_grant, before=0.15)
     store = get_runtime(late_grant.app).store_for(late_grant.lock_settings())
     extend_all = store.extend_all
 
     def slow_extend_all(leases: Any) -> list[bool]:
         owned = extend_all(leases)
-        time.sleep(0.4)
+        time.sleep(late)
         return owned
 
     monkeypatch.setattr(store, "extend_all", slow_extend_all)
-    with pytest.raises(LockStoreUnavailableError, match="so late that it had lapsed"):
+    with pytest.raises(LockStoreUnavailableError, match="confirmed a late grant too late"):
         late_grant(7)
+    assert not lock_redis.exists(late_grant.request_keys((7,), {}).lock)
     assert calls.seen == []
+
+
+def test_a_grant_under_a_heartbeat_interval_near_its_ttl_is_confirmed_with_room_to_spare(
+    celery_app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # TTL 1 s, interval 0.9 s: a grant 0.06 s late leaves 0.94 s, and the first beat, 0.9 s
+    # after the body began (plus the thread's own delay), could find it expired.
+    @celery_app.task(
+        base=LockedTask, bind=True, lock_key="request_idx", name="t.near_ttl",
+        lock_ttl=1.0, lock_heartbeat_interval=0.9,
+    )  # fmt: skip
+    def near_ttl(self: Any, request_idx: int) -> None:
+        pass
+
+    assert near_ttl.lock_settings().late_after == pytest.approx(0.05)
+    _slow_acquire(monkeypatch, near_ttl, before=0.06)
+    store = get_runtime(celery_app).store_for(near_ttl.lock_settings())
+    extend_all = store.extend_all
+    extended_by: list[threading.Thread] = []
+
+    def recording(leases: Any) -> list[bool]:
+        extended_by.append(threading.current_thread())
+        return extend_all(leases)
+
+    monkeypatch.setattr(store, "extend_all", recording)
+    near_ttl(7)
+    assert threading.current_thread() in extended_by  # confirmed by the call, not a beat
 
 
 def test_a_late_grant_the_store_does_not_confirm_counts_as_the_store_unavailable(
@@ -1248,6 +1280,37 @@ def test_a_late_grant_the_store_does_not_confirm_counts_as_the_store_unavailable
     monkeypatch.setattr(store, "extend_all", unreachable)
     with pytest.raises(LockStoreUnavailableError, match="did not confirm it: Connection refused"):
         late_grant(7)
+
+
+def test_a_soft_time_limit_in_a_late_confirm_s_release_gives_the_message_back(
+    late_grant: Any, worker: Any, calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store is slow, so a soft limit is likely to land in this third round trip too.
+    _slow_acquire(monkeypatch, late_grant, before=0.4)
+    store = get_runtime(late_grant.app).store_for(late_grant.lock_settings())
+    extend_all, release = store.extend_all, store.release
+    slowed: list[Any] = []
+    cut: list[Any] = []
+
+    def slow_once(leases: Any) -> list[bool]:
+        owned = extend_all(leases)
+        if leases and not slowed:
+            slowed.append(leases)
+            time.sleep(0.4)  # the confirm's reply comes a TTL late
+        return owned
+
+    def cut_once(lease: Any, **kwargs: Any) -> Any:
+        if not cut:
+            cut.append(lease)
+            raise SoftTimeLimitExceeded()
+        return release(lease, **kwargs)
+
+    monkeypatch.setattr(store, "extend_all", slow_once)
+    monkeypatch.setattr(store, "release", cut_once)
+    lost, _ = late_grant.apply_async((7,)).get(timeout=TIMEOUT)
+    assert cut
+    assert not lost
+    assert calls.count("t.late_grant") == 1
 
 
 @pytest.mark.parametrize("interruption", [SystemExit, SoftTimeLimitExceeded])
