@@ -553,33 +553,36 @@ class LockStore:
         keys: RequestKeys,
         roles: tuple[str, ...],
         tries: list[int] | None,
-        fn: Callable[..., T],
-        *fn_args: Any,
-    ) -> T:
-        """``fn(*fn_args)``, tried again on transient errors; its errors raised as the store's.
+        script: Script,
+        script_keys: Sequence[str],
+        args: Sequence[Any],
+    ) -> Any:
+        """``script`` run with ``script_keys`` and ``args`` (:meth:`_evalsha`), tried again on
+        transient errors; its errors raised as the store's.
 
         ``roles`` names the fields of ``keys`` the call touches (in the order
-        :meth:`diagnose` looks at them), ``tries`` counts the calls of ``fn`` in its first item
-        (from 1): a list made per call, where the caller needs to know. Nothing but the call
-        itself is made before a first try that succeeds (almost every one): no closure, no
-        dict of the roles (this runs twice per task)."""
+        :meth:`diagnose` looks at them), ``tries`` counts the runs in its first item (from 1):
+        a list made per call, where the caller needs to know. Nothing but the run itself is
+        made before a first try that succeeds (almost every one): no closure, no dict of the
+        roles, no function and arguments passed on to be called (this runs twice per task)."""
         lock_name = keys.lock
         started = _monotonic()
         try:
             try:
                 # The first try runs bare: building tenacity's machinery costs more than the
                 # round trip's own client-side work, and almost every call succeeds at once.
-                return fn(*fn_args)
+                return self._evalsha(script, script_keys, args)
             except REFUSED_ERRORS:
                 # Once more, on a new connection: a credential provider whose token had just
                 # expired (ElastiCache IAM, Entra ID) fetches a fresh one.
                 if tries is not None:
                     tries[0] += 1
-                return fn(*fn_args)
+                return self._evalsha(script, script_keys, args)
             except TRANSIENT_ERRORS as exc:
                 self._unfollow_if_unreachable(exc)
                 first_failure = exc
-            return self._retry(what, lock_name, _again(fn, fn_args, tries), first_failure, started)
+            again = _again(self._evalsha, (script, script_keys, args), tries)
+            return self._retry(what, lock_name, again, first_failure, started)
         except REFUSED_ERRORS as exc:
             raise LockStoreError(
                 f"{what} refused: {exc} (check the user and password of the lock store URL)",
@@ -708,7 +711,7 @@ class LockStore:
             args += (replaced_depth, root_id)
         reply = self._call(
             "acquire", keys, _ACQUIRE_ROLES, None,
-            self._evalsha, self.scripts.acquire, [keys.lock, keys.fence, keys.done], args,
+            self.scripts.acquire, [keys.lock, keys.fence, keys.done], args,
         )  # fmt: skip
         if isinstance(reply, int):  # a grant, as _parse_acquire reads it, without its call
             return Acquired(reply)
@@ -757,7 +760,7 @@ class LockStore:
         tries = [1]
         reply = self._call(
             "release", keys, _RELEASE_ROLES, tries,
-            self._evalsha, self.scripts.release, [keys.lock, keys.done, keys.fence], args,
+            self.scripts.release, [keys.lock, keys.done, keys.fence], args,
         )  # fmt: skip
         retried = tries[0] > 1 or tried_before
         if reply == _RELEASED_BEFORE:
@@ -808,7 +811,7 @@ class LockStore:
 
     def _swap_hand_on(self, what: str, keys: RequestKeys, args: list[Any]) -> int:
         reply: int = self._call(
-            what, keys, ("done",), None, self._evalsha, self.scripts.swap_hand_on, [keys.done], args
+            what, keys, ("done",), None, self.scripts.swap_hand_on, [keys.done], args
         )
         return reply
 
