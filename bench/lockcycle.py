@@ -113,9 +113,9 @@ def _floor(store: LockStore, stack: ExitStack) -> Cycle:
 
     def cycle(n: int) -> None:
         key, token = f"bench:floor:{n}", secrets.token_hex(16)
-        if send("SET", key, token, "NX", "PX", TTL_MS) is None:
+        if send(("SET", key, token, "NX", "PX", TTL_MS)) is None:
             raise RuntimeError(f"{key} was taken")
-        send("EVALSHA", sha, 1, key, token)
+        send(("EVALSHA", sha, 1, key, token))
 
     return cycle
 
@@ -127,9 +127,9 @@ def _scripted_floor(store: LockStore, stack: ExitStack) -> Cycle:
 
     def cycle(n: int) -> None:
         key, token = f"bench:scripted-floor:{n}", secrets.token_hex(16)
-        if send("EVALSHA", grant, 1, key, token, TTL_MS) is None:
+        if send(("EVALSHA", grant, 1, key, token, TTL_MS)) is None:
             raise RuntimeError(f"{key} was taken")
-        send("EVALSHA", release, 1, key, token)
+        send(("EVALSHA", release, 1, key, token))
 
     return cycle
 
@@ -196,10 +196,10 @@ def _scripts_by_evalsha(
             token = new_token()
             now_us = time.time_ns() // 1000
             described = HOLDER.describe(now_us // 1000)
-            send("EVALSHA", acquire, 3, keys.lock, keys.fence, keys.done, token, TTL_MS,
-                 described, DONE_TTL_MS, now_us)  # fmt: skip
-            send("EVALSHA", release, 2, keys.lock, keys.done, token, DONE_TTL_MS, "success",
-                 HOLDER.task_id)  # fmt: skip
+            send(("EVALSHA", acquire, 3, keys.lock, keys.fence, keys.done, token, TTL_MS,
+                  described, DONE_TTL_MS, now_us))  # fmt: skip
+            send(("EVALSHA", release, 2, keys.lock, keys.done, token, DONE_TTL_MS, "success",
+                  HOLDER.task_id))  # fmt: skip
 
         return cycle
 

@@ -96,7 +96,7 @@ def in_process(
         return _profile_calls(server, calls, rounds, top, focus)
 
 
-def answered_at_once(store: LockStore, *command: Any) -> int:
+def answered_at_once(store: LockStore, command: tuple[Any, ...]) -> int:
     """Every command "succeeds" at once: 1 is a grant with fence 1, and a release of a lease
     still owned; so only the library's own work is timed (a plain function, not a mock, whose
     own calls would be timed too)."""

@@ -351,8 +351,8 @@ class LockStore:
 
     # -- calls ----------------------------------------------------------------------------------
 
-    def _send(self, *command: Any) -> Any:
-        """Run one command on this store's own connection.
+    def _send(self, command: tuple[Any, ...]) -> Any:
+        """Run one command, its name and arguments in one tuple, on this store's own connection.
 
         The connection is taken from the client's pool once and held: checking one out and back
         in per command costs redis-py about 40 µs of CPU, a third of a round trip's client-side
@@ -414,13 +414,16 @@ class LockStore:
     def _evalsha(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run ``script`` by ``EVALSHA``; after ``NOSCRIPT`` load it and run it once more (a
         second ``NOSCRIPT`` is :class:`TransientReplyError`)."""
+        # One tuple, handed on as it is: unpacked into _send's arguments, it was built again
+        # there (twice per task).
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         try:
             try:
-                reply = self._send("EVALSHA", script.sha, len(keys), *keys, *args)
+                reply = self._send(command)
             except NoScriptError:
                 self._scripts_missing(script)
                 self._load(script)
-                reply = self._send("EVALSHA", script.sha, len(keys), *keys, *args)
+                reply = self._send(command)
         except redis.ResponseError as exc:
             self._raise_if_transient(exc)
             raise

@@ -1028,13 +1028,13 @@ def test_a_round_trip_a_signal_interrupts_leaves_the_request_unlocked(
     send = store._send
     interrupted: list[tuple[Any, ...]] = []
 
-    def send_interrupted(*command: Any) -> Any:
+    def send_interrupted(command: tuple[Any, ...]) -> Any:
         if command[:2] == ("EVALSHA", sha) and not interrupted:
             interrupted.append(command)
             if script_ran:
-                send(*command)
+                send(command)
             raise interruption()
-        return send(*command)
+        return send(command)
 
     monkeypatch.setattr(store, "_send", send_interrupted)
     with pytest.raises(interruption):

@@ -97,12 +97,12 @@ class FloorTask(Task):  # type: ignore[type-arg]
         key, token = f"bench:floor:{self.request.id}", secrets.token_hex(16)
         # LockStore's own command path (held connection, hiredis packing), as the lock cycle's
         # floor sends: the protocol's cost, not redis-py's.
-        if store._send("SET", key, token, "NX", "PX", TTL_MS) is None:
+        if store._send(("SET", key, token, "NX", "PX", TTL_MS)) is None:
             raise RuntimeError(f"{key} was taken")
         try:
             return self.run(*args, **kwargs)
         finally:
-            store._send("EVALSHA", release, 1, key, token)
+            store._send(("EVALSHA", release, 1, key, token))
 
 
 @app.task(base=FloorTask, name="bench.floor", acks_late=True)
