@@ -523,11 +523,13 @@ class LockedTask(Task):  # type: ignore[type-arg]
         runtime = get_runtime(self.app)
         settings = runtime.settings(self.name, self._lock_task_options)
         keys = self._request_keys(settings, args, kwargs)
+        # The per-task objects are made with positional arguments: a class called with
+        # keywords builds a dict of them (2,000 instructions for the holder).
         holder = Holder(
-            task_id=request.id or "",
-            task_name=self.name,
-            host=request.hostname or runtime.hostname,
-            pid=runtime.pid,  # os.getpid(), as get_runtime just checked, without the syscall
+            request.id or "",  # task id
+            self.name,  # task name
+            request.hostname or runtime.hostname,  # host
+            runtime.pid,  # os.getpid(), as get_runtime just checked, without the syscall
         )
         store = runtime.store_for(settings)
         token = new_token()
@@ -551,7 +553,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if isinstance(outcome, Acquired):
             lease = Lease(
                 store, keys, token, settings.ttl_ms, outcome.fence, holder, settings.fence_ttl_ms,
-                confirmed_at=asked_at,
+                None, asked_at,  # on_lost (given once the body runs), confirmed_at
             )  # fmt: skip
             if request.expires and getattr(request, EXPIRED_FIELD, False):  # one read, mostly
                 return self._revoke_expired(lease, settings, runtime.heartbeat)
