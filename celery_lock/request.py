@@ -81,10 +81,16 @@ class LockedRequest(Request):
     """The worker's request for a ``LockedTask``: sends ``task-skipped`` for a skipped copy
     whenever the worker sends task events, including once Flower has turned them on."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # The pool process sees the request's dict alone (as task.request).
-        self.request_dict[CONTENT_TYPE_FIELD] = self.content_type
+    @property
+    def request_dict(self) -> dict[str, Any]:
+        """Celery's request dict, which the pool process sees alone (as ``task.request``), with
+        the message's content type added for a deferral to be sent in."""
+        # Added as the worker hands the request to the pool, which reads this property: the
+        # main process makes a request per message, and an __init__ of ours, with its
+        # arguments passed on, cost more than all the rest the lock adds there.
+        request: dict[str, Any] = self._request_dict  # type: ignore[attr-defined]
+        request[CONTENT_TYPE_FIELD] = self.content_type
+        return request
 
     def maybe_expire(self) -> Literal[True] | None:
         """Celery's expiry check, except for a message the broker delivers again (a Redis
