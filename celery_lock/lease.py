@@ -36,8 +36,10 @@ __all__ = [
     "LockEntry",
     "Outcome",
     "decode_done",
+    "decode_id",
     "decode_lock",
     "encode_done",
+    "encode_id",
     "encode_lock",
     "new_token",
 ]
@@ -188,13 +190,32 @@ HANDED_ON = b"\xffhanded-on:"
 HANDING_ON = b"\xffhanding-on:"
 
 
-def encode_done(task_id: str, hand_on: HandOn | None = None) -> str | bytes:
+def encode_id(task_id: str) -> bytes:
+    """A task id (or root id) as the lock store is sent it: UTF-8, where a lone surrogate, which
+    a message may carry (JSON's ``"\\udcff"``, a client's key used as the task id), is written
+    as its three bytes (``surrogatepass``) rather than refused after the body ran.
+
+    Not ``surrogateescape``: its ``"\\udcff"`` would be the byte 0xFF, which starts and splits
+    a hand-on marker. No encoding of a str as UTF-8, surrogates and all, holds that byte."""
+    return task_id.encode("utf-8", "surrogatepass")
+
+
+def decode_id(data: bytes) -> str:
+    """A task id (or root id) as :func:`encode_id` wrote it; bytes that no str encodes to
+    (not written by celery-lock) are read with U+FFFD in their place."""
+    try:
+        return data.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return data.decode(errors="replace")
+
+
+def encode_done(task_id: str, hand_on: HandOn | None = None) -> bytes:
     """A done-marker's value: the task id of the run that completed the request, or, for a run
     that handed it on, ``HANDED_ON + b"<depth>\\xff<root id>\\xff<task id>"`` (``HANDING_ON``
-    first until the replacement was sent)."""
+    first until the replacement was sent); the ids as :func:`encode_id` writes them."""
     if hand_on is None:
-        return task_id
-    root, task = hand_on.root_id.encode(), task_id.encode()
+        return encode_id(task_id)
+    root, task = encode_id(hand_on.root_id), encode_id(task_id)
     prefix = HANDED_ON if hand_on.sent else HANDING_ON
     return prefix + b"%d\xff%s\xff%s" % (hand_on.depth, root, task)
 
@@ -202,17 +223,17 @@ def encode_done(task_id: str, hand_on: HandOn | None = None) -> str | bytes:
 def decode_done(value: str | bytes) -> Done:
     """Parse a done-marker's value (see :func:`encode_done`); text that is not a hand-on
     marker is the id of the task that completed the request."""
-    data = value.encode() if isinstance(value, str) else value
+    data = encode_id(value) if isinstance(value, str) else value
     for prefix in (HANDED_ON, HANDING_ON):
         if data.startswith(prefix):
             fields = data[len(prefix) :].split(b"\xff")
             if len(fields) == 3 and fields[0].isdigit():
                 depth, root, task = fields
                 return Done(
-                    task.decode(errors="replace"), handed_on_at=int(depth),
-                    root_id=root.decode(errors="replace"), sent=prefix == HANDED_ON,
+                    decode_id(task), handed_on_at=int(depth),
+                    root_id=decode_id(root), sent=prefix == HANDED_ON,
                 )  # fmt: skip
-    return Done(data.decode(errors="replace"))
+    return Done(decode_id(data))
 
 
 Outcome = Acquired | Held | Done

@@ -78,6 +78,7 @@ from .lease import (
     decode_done,
     decode_lock,
     encode_done,
+    encode_id,
 )  # fmt: skip
 from .scripts import Scripts
 from .sentinel import is_sentinel_url, sentinel_master_client
@@ -711,7 +712,8 @@ class LockStore:
         seed = now_us if now_us < _FENCE_MAX else 0
         args: tuple[Any, ...] = (token, ttl_ms, holder.describe(now_us // 1000), fence_ttl_ms, seed)
         if replaced_depth:
-            args += (replaced_depth, root_id)
+            # As a hand-on marker holds it (encode_id: any str a message carries).
+            args += (replaced_depth, encode_id(root_id))
         reply = self._call(
             "acquire", keys, _ACQUIRE_ROLES, None,
             self.scripts.acquire, [keys.lock, keys.fence, keys.done], args,
@@ -754,8 +756,10 @@ class LockStore:
             lease.token,
             done_ttl_ms,
             "success" if success else "failure",
-            # As encode_done writes it, without a call per task for a marker that is the id.
-            lease.holder.task_id
+            # As encode_done writes it (encode_id's surrogatepass), without its call per task
+            # for a marker that is the id: a lone surrogate, which a message may carry, is not
+            # refused by redis-py once the body ran.
+            lease.holder.task_id.encode("utf-8", "surrogatepass")
             if lease.handed_on is None
             else encode_done(lease.holder.task_id, lease.handed_on),
             lease.fence,

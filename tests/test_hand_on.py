@@ -9,6 +9,7 @@ replacement (or a step of it) is. The release writes it before the replacement i
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -211,10 +212,11 @@ def test_a_copy_at_depth_0_sends_the_script_what_every_copy_sent_before(
     granted(store.acquire(KEYS, new_token(), TTL_MS, DUPLICATE, 60_000))
     store.acquire(KEYS, new_token(), TTL_MS, ORIGINAL, 60_000, 3, "task-1")
     assert [len(args) for args in sent] == [5, 7]
-    assert sent[1][5:] == (3, "task-1")  # depth, root
+    assert sent[1][5:] == (3, b"task-1")  # depth, root (as a hand-on marker holds it)
 
 
-TASK_IDS = st.text(st.characters(exclude_categories=("Cs",)))
+#: Any str a message may carry, lone surrogates too (JSON's "\\udcff").
+TASK_IDS = st.text(st.characters())
 
 
 @given(TASK_IDS, TASK_IDS, st.integers(min_value=0, max_value=10**6))
@@ -223,5 +225,28 @@ def test_a_marker_reads_back_as_it_was_written(task_id: str, root: str, depth: i
     for sent in (False, True):
         handed_on = encode_done(task_id, HandOn(depth, root, sent))
         assert decode_done(handed_on) == Done(task_id, depth, root, sent)
-    # No task id reads as a hand-on marker: UTF-8 never holds the byte it starts with.
-    assert not task_id.encode().startswith((HANDED_ON, HANDING_ON))
+    # No task id reads as a hand-on marker: UTF-8, surrogates and all (surrogatepass, never
+    # surrogateescape), never holds the byte it starts with.
+    assert not task_id.encode("utf-8", "surrogatepass").startswith((HANDED_ON, HANDING_ON))
+
+
+def test_a_marker_of_ids_holding_a_lone_surrogate_is_written_and_passed(
+    store: LockStore, lock_redis: redis.Redis
+) -> None:
+    """A task id is any str its message carries: a client's key used as the task id, read from
+    JSON, may hold a lone surrogate. The release that would refuse it runs after the body."""
+    task_id = json.loads('"req-7\\udcff"')
+    holder = Holder(task_id, "shop.fetch", "host-a", 101)
+    stored = b"req-7\xed\xb3\xbf"  # UTF-8's three bytes for U+DCFF (surrogatepass)
+    lease = hand_on(store, holder, 0, root=task_id)
+    assert lock_redis.get(KEYS.done) == b"\xffhanded-on:0\xff%s\xff%s" % (stored, stored)
+    handed_on = Done(task_id, handed_on_at=0, root_id=task_id)
+    assert ask(store, DUPLICATE, 0, root="task-2") == handed_on
+    # Its replacement, of the same root, gets through, and completes the request.
+    token = new_token()
+    fence = granted(store.acquire(KEYS, token, TTL_MS, holder, 60_000, 1, task_id))
+    assert fence > lease.fence
+    last = Lease(store, KEYS, token, TTL_MS, fence, holder)
+    assert store.release(last, success=True, done_ttl_ms=30_000)
+    assert lock_redis.get(KEYS.done) == stored
+    assert ask(store, DUPLICATE, 2, root=task_id) == Done(task_id)

@@ -169,3 +169,35 @@ def test_long_task_keeps_its_lease_by_heartbeat_in_pool_process(
     assert set(settle(copies, SETTLE_TIMEOUT)) == {SKIPPED}
     assert {copy.info["holder"] for copy in copies} == {first.id}
     assert len(recorded_runs(worker_env)) == 1
+
+
+class SentOnly:
+    """A sent call's handle that never asks the result backend (an AsyncResult does, as it is
+    collected, under a key made of the task id)."""
+
+    def __init__(self, task_id: str) -> None:
+        self.id = task_id
+
+
+def test_a_task_id_holding_a_lone_surrogate_completes_its_request_once(
+    producer: Callable[..., Celery],
+    start_worker: Any,
+    worker_env: dict[str, str],
+    lock_redis: redis.Redis,
+) -> None:
+    """A client's key, read from JSON, used as the task id: the broker carries its lone
+    surrogate (JSON escapes it), and the run's release must record it, or the next copy of the
+    request runs the body again. The run ignores its result: Celery's Redis backend cannot make
+    a result key of that id."""
+    start_worker()
+    app = producer(worker_env)
+    task_id = json.loads('"req-7\\udcff"')
+    app.send_task(
+        "storm.process", args=(7,), task_id=task_id, ignore_result=True, result_cls=SentOnly
+    )
+    done = "celery-lock:{storm.process:7}:done:storm.process"
+    assert wait_for("the run's done-marker", lambda: lock_redis.get(done)) == b"req-7\xed\xb3\xbf"
+    copy = app.send_task("storm.process", args=(7,))
+    assert settle([copy], SETTLE_TIMEOUT) == {SKIPPED: 1}
+    assert (copy.info["reason"], copy.info["holder"]) == ("done", task_id)
+    assert [run["task_id"] for run in recorded_runs(worker_env)] == [task_id]

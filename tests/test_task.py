@@ -7,6 +7,7 @@ controls exactly who holds the request and for how long.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -749,6 +750,34 @@ def test_redelivery_of_succeeded_message_keeps_success(
     assert first.state == "SUCCESS"
     assert first.result == "processed 7"
     assert calls.count("t.process") == 1
+
+
+def test_a_task_id_holding_a_lone_surrogate_completes_its_request_once(
+    worker: Any,
+    tasks: dict[str, Any],
+    calls: Calls,
+    lock_redis: redis.Redis,
+    finished: Callable[[str], threading.Event],
+) -> None:
+    """A producer may use a client's key, read from JSON, as the task id: a lone surrogate the
+    release once refused after the body ran, leaving the request to run again. (Its result is
+    ignored: Celery's key-value backends cannot make a result key of it.)"""
+    task_id = json.loads('"req-7\\udcff"')
+    quiet = tasks["quiet"]
+    quiet.apply_async((7,), task_id=task_id)
+    assert finished(task_id).wait(TIMEOUT)
+    keys: RequestKeys = quiet.request_keys((7,), {})
+    assert lock_redis.get(keys.done) == b"req-7\xed\xb3\xbf"  # surrogatepass
+    assert not lock_redis.exists(keys.lock)
+    with recording(signals.lock_skipped) as skipped:
+        # Another copy of the request: skipped as done by that task id.
+        assert finished(quiet.apply_async((7,)).id).wait(TIMEOUT)
+        # The message itself, delivered again: its done-marker names it, so it is acked.
+        finished(task_id).clear()
+        quiet.apply_async((7,), task_id=task_id)
+        assert finished(task_id).wait(TIMEOUT)
+    assert [(s["reason"], s["holder"]) for s in skipped] == [("done", task_id)]
+    assert calls.count("t.quiet") == 1
 
 
 def test_redelivered_copy_of_running_message_is_deferred_until_holder_ends(
