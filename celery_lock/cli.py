@@ -39,7 +39,7 @@ from celery.bin.base import JSON_ARRAY, JSON_OBJECT
 from .checks import check_single_endpoint
 from .config import LockSettings, check_value, conf_value
 from .exceptions import ConfigurationError, LockKeyError
-from .keys import RequestKeys, stored_key_part
+from .keys import RequestKeys, safe_key_part, stored_key_part
 from .lease import decode_done, decode_lock
 from .runtime import lock_store_url
 from .store import client_for_url, reach, redis_integer
@@ -454,6 +454,26 @@ def _parse_request_name(prefix: str, name: str) -> tuple[str, str | None]:
     return f"{tag}:lock", None
 
 
+def _two_readings(prefix: str, name: str) -> str | None:
+    """A warning for a ``<scope>:<request key>`` name whose request key looks as the library
+    stores one it digests (``order42~<digest>``): it is read as that stored key, though a
+    request whose raw key is that very text is another one, keyed by a digest of it. Which
+    was meant cannot be told (and a client may choose its own key so), so both are named.
+    ``None`` for any other name."""
+    if _KEY.fullmatch(name) or name.startswith(f"{prefix}:{{"):
+        return None
+    scope, _, request_key = name.partition(":")
+    stored, raw = stored_key_part(request_key), safe_key_part(request_key)
+    if stored == raw:  # text kept as typed, or digested either way
+        return None
+    tag = f"{prefix}:{{{stored_key_part(scope)}:"
+    return (
+        f"{request_key!r} is read as a request key as stored: {tag}{stored}}}:lock; a request "
+        f"whose raw key is that text is another one: {tag}{raw}}}:lock (give its lock key "
+        "whole to mean it)"
+    )
+
+
 def _admin(ctx: click.Context, name: str | None = None) -> LockAdmin:
     """The lock store the command works on, reached; ``name``, a request's KEY, checked first:
     one that names no request is a usage error, whether or not the store answers."""
@@ -463,6 +483,9 @@ def _admin(ctx: click.Context, name: str | None = None) -> LockAdmin:
     url, prefix, setting = _store(app, options, bool(ctx.find_root().params.get("app")))
     if name is not None:
         _parse_request_name(prefix, name)
+        warning = _two_readings(prefix, name)
+        if warning is not None:
+            click.echo(f"Warning: {warning}", err=True)
     try:
         client = client_for_url(url, socket_connect_timeout=5, socket_timeout=10)
         reach(client)  # not PING, which a user allowed only what the scripts need may not send

@@ -272,6 +272,34 @@ def test_a_request_key_the_library_made_safe_is_found_as_written_and_as_stored(
         assert info["lease"]["task_id"] == "task-7", name
 
 
+def test_a_request_key_typed_as_stored_is_read_so_with_a_warning_naming_the_raw_request(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    """``order42~<digest>`` is how the library stores ``order 42``, and also a raw request key
+    of its own (a client may choose it), stored as another digest: the command reads the
+    stored form, as documented, and says which other request the text would name."""
+    stored = safe_key_part("order 42")
+    raw = safe_key_part(stored)
+    assert raw not in (stored, "order 42")
+    lock = f"celery-lock:{{storm.process:{stored}}}:lock"
+    other = f"celery-lock:{{storm.process:{raw}}}:lock"
+    warning = (
+        f"Warning: {stored!r} is read as a request key as stored: {lock}; a request whose raw "
+        f"key is that text is another one: {other} (give its lock key whole to mean it)\n"
+    )
+    shown = celery_lock_cli(worker_env, "--json", "show", f"storm.process:{stored}")
+    assert json.loads(shown.stdout)["key"] == lock
+    assert shown.stderr == warning
+    for command in (["forget"], ["release", "--force", "--yes"]):
+        done = celery_lock_cli(worker_env, *command, f"storm.process:{stored}")
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == warning, command
+    # Names that are one request only: no warning.
+    for name in ("storm.process:order 42", lock, other, "storm.process:7"):
+        done = celery_lock_cli(worker_env, "show", name)
+        assert (done.returncode, done.stderr) == (0, ""), name
+
+
 def test_show_reports_a_fence_and_a_done_marker_that_are_not_strings(
     worker_env: dict[str, str], store: LockStore
 ) -> None:
