@@ -83,6 +83,14 @@ def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+def _printable(text: str) -> str:
+    """``text`` read from the lock store (a task id, which the producer chose, a task name, a
+    host, a key) as a line of the text output shows it: escaped as Python writes a str
+    (``\\x1b``, ``\\n``, ``\\udcff``) where it holds what a terminal would act on or could
+    not print."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def _wrong_type(reply: Any) -> bool:
     """Whether a pipeline reply is the error of reading a key that holds another type."""
     if not isinstance(reply, redis.ResponseError):
@@ -555,7 +563,8 @@ def _format_leases(leases: list[LeaseInfo]) -> str:
         return "no leases held"
     header = ("KEY", "TASK", "TASK ID", "WORKER", "AGE", "TTL LEFT", "FENCE")
     rows = [
-        (lease.key, lease.task, lease.task_id, lease.worker,
+        (_printable(lease.key), _printable(lease.task), _printable(lease.task_id),
+         _printable(lease.worker),
          "-" if lease.age_s is None else f"{lease.age_s:.1f}s",
          _left(lease.ttl_left_s).removesuffix(" left"), str(lease.fence))
         for lease in leases
@@ -588,10 +597,11 @@ def show_command(ctx: click.Context, key: str) -> None:
         lines.append("lease     none")
     else:
         age = "-" if lease["age_s"] is None else f"{lease['age_s']:.1f}s"
-        lines += [f"holder    {lease['task_id']} ({lease['task']}) on {lease['worker']}",
+        task_id, task, worker = (_printable(lease[f]) for f in ("task_id", "task", "worker"))
+        lines += [f"holder    {task_id} ({task}) on {worker}",
                   f"age       {age}, {_left(lease['ttl_left_s'])}"]  # fmt: skip
     lines.append(f"fence     {'none' if info['fence'] is None else info['fence']}")
-    lines += [f"done      {task} {_how_done(d)} ({_left(d['ttl_left_s'], 0)})"
+    lines += [f"done      {_printable(task)} {_how_done(d)} ({_left(d['ttl_left_s'], 0)})"
               for task, d in sorted(info["done"].items())] or ["done      none"]  # fmt: skip
     _emit(ctx, info, "\n".join(lines))
 
@@ -601,9 +611,9 @@ def _how_done(marker: dict[str, Any]) -> str:
     by <task id> at depth <n>`` (``being handed on`` until the replacement was sent)."""
     if "handed_on_at" in marker:
         how = "handed on" if marker["sent"] else "being handed on"
-        return f"{how} by {marker['task_id']} at depth {marker['handed_on_at']}"
+        return f"{how} by {_printable(marker['task_id'])} at depth {marker['handed_on_at']}"
     # A direct call (task(...)) has no task id: its marker names none.
-    return f"by {marker['task_id'] or 'a direct call'}"
+    return f"by {_printable(marker['task_id']) or 'a direct call'}"
 
 
 @lock.command(name="key")
@@ -691,7 +701,8 @@ def _held(lease: LeaseInfo) -> str:
     if lease.fence is None:  # every lease celery-lock writes has one
         return f"which holds a value celery-lock did not write ({left})"
     age = "an unknown time" if lease.age_s is None else f"{lease.age_s:.1f}s"
-    return f"held by {lease.task_id} ({lease.task}) on {lease.worker} for {age} ({left})"
+    task_id, task, worker = (_printable(text) for text in (lease.task_id, lease.task, lease.worker))
+    return f"held by {task_id} ({task}) on {worker} for {age} ({left})"
 
 
 @lock.command(name="forget")
@@ -707,4 +718,5 @@ def forget_command(ctx: click.Context, key: str, task: str | None) -> None:
     admin = _admin(ctx, key)
     one, deleted = admin.forget(key, task)
     nothing = f"no done-marker at {one}" if one else f"no done-marker of {admin.lock_key(key)}"
-    _emit(ctx, {"deleted": deleted}, "\n".join(f"forgot {k}" for k in deleted) or nothing)
+    forgot = "\n".join(f"forgot {_printable(k)}" for k in deleted)
+    _emit(ctx, {"deleted": deleted}, forgot or nothing)

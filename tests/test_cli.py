@@ -135,6 +135,38 @@ def test_show_reports_lease_fence_and_done_markers(
     assert "holder    task-6 (storm.next) on host-a:4242" in text
 
 
+def test_text_output_escapes_what_a_terminal_would_act_on_in_what_the_store_holds(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    """A task id is the producer's (a client's key used as one): escape codes in it reached the
+    operator's terminal, and a lone surrogate reached it as the byte 0xFF."""
+    ansi = "ok\x1b[2K\r\x1b]0;owned\x07\n"
+    surrogate = json.loads('"req-7\\udcff"')
+    store.release(take(store, 5, surrogate, task="storm.next"), success=True, done_ttl_ms=60_000)
+    keys = RequestKeys.build("celery-lock", "storm.process", "5", "storm.process")
+    holder = Holder(ansi, "storm.\x1bprocess", "host\x1b[31m", 4242)
+    granted(store.acquire(keys, new_token(), 30_000, holder, 60_000))
+    store.client.set(keys.lock.replace(":lock", ":done:x\x1by"), "task-9")
+    escaped = "ok\\x1b[2K\\r\\x1b]0;owned\\x07\\n"
+    listed = celery_lock_cli(worker_env, "ls")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.split("\n")[1].split()[:4] == [
+        keys.lock, "storm.\\x1bprocess", escaped, "host\\x1b[31m:4242"
+    ]  # fmt: skip
+    shown = celery_lock_cli(worker_env, "show", "storm.process:5")
+    assert shown.returncode == 0, shown.stderr
+    assert f"holder    {escaped} (storm.\\x1bprocess) on host\\x1b[31m:4242\n" in shown.stdout
+    assert "done      storm.next by req-7\\udcff (" in shown.stdout
+    assert "done      x\\x1by by task-9 (no TTL)\n" in shown.stdout
+    asked = celery_lock_cli(worker_env, "release", "storm.process:5", "--force", stdin="n\n")
+    assert f"held by {escaped} (storm.\\x1bprocess) on host\\x1b[31m:4242 for" in asked.stderr
+    forgot = celery_lock_cli(worker_env, "forget", "storm.process:5")
+    assert forgot.returncode == 0, forgot.stderr
+    assert f"forgot {keys.lock[: -len(':lock')]}:done:x\\x1by" in forgot.stdout.split("\n")
+    for done in (listed, shown, asked, forgot):
+        assert "\x1b" not in done.stdout + done.stderr
+
+
 def test_release_needs_force_and_asks_unless_yes(
     worker_env: dict[str, str], store: LockStore
 ) -> None:
