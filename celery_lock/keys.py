@@ -776,8 +776,14 @@ class KeyDeriver:
             if kind is str:
                 return safe_key_part(value)
             if kind is int:
-                text = str(value)
-                return text if len(text) <= MAX_KEY_LENGTH else safe_key_part(text)
+                try:
+                    text = str(value)
+                except ValueError:
+                    # More digits than Python writes (sys.set_int_max_str_digits): the steps
+                    # below raise it as the LockKeyError it is.
+                    pass
+                else:
+                    return text if len(text) <= MAX_KEY_LENGTH else safe_key_part(text)
         if callable(spec):
             return safe_key_part(self._call_key_function(spec, args, kwargs))
         arguments = self.bind(args, kwargs)

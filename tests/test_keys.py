@@ -888,6 +888,20 @@ def test_a_container_holding_an_object_without_text_raises_lock_key_error() -> N
         by_name.request_keys(([object()],), {})
 
 
+def test_an_int_past_python_s_digit_limit_raises_lock_key_error_by_position_as_by_name() -> None:
+    """``str()`` refuses an int of more digits than Python's limit (4300 by default): the key
+    cannot be made, a LockKeyError (refused at publish), not a bare ValueError."""
+    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+    if not limit:
+        pytest.skip("this Python writes an int of any size as text")
+    derive = KeyDeriver.create("t", inspect.signature(_by_name), "request_idx")
+    huge = 10**limit  # one digit more than the limit
+    named = {"tenant": "acme", "request_idx": huge, "note": None}
+    for args, kwargs in (("acme", huge, None), {}), ((), named):
+        with pytest.raises(LockKeyError, match=r"t: cannot render lock_key .* \(\d+ digits\)"):
+            derive.request_key(args, kwargs)
+
+
 def test_bytes_in_a_template_are_digested_not_written_as_hex() -> None:
     blob = b"\x01\x02"
     keys = by_template.request_keys(("acme", blob), {})
