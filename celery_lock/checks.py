@@ -18,8 +18,12 @@
   alone, which answers ``MOVED`` for the keys of the other masters' slots, so their tasks fail.
   Unlike the states warned about here, which the store may leave while the worker runs
   (promoted, reachable again, its ACL or policy changed), only another URL makes it right;
-* a lock store that cannot be reached (or refuses the user or password, or the connection):
-  until it can, tasks are deferred (or fail); a warning, since it may come up later;
+* so is a lock store URL the server refuses as it stands (:func:`url_mistake`): a wrong user
+  or password, a database the server does not have, or a port that does not speak Redis (a
+  protocol error). Every task would fail unrun, and its message be acked;
+* a lock store that cannot be reached (or times out, or refuses the connection for a
+  ``SELECT`` the user may not send): until it can, tasks are deferred (or fail); a warning,
+  since it may come up later, or its user be given the permission;
 * a lock store URL whose ``?max_connections=`` is below the task bodies a process runs at once
   (threads, gevent and eventlet pools) plus the heartbeat;
 * a lock store whose user may not use the keys under a task's key prefix (a Redis ACL that keeps
@@ -35,10 +39,10 @@
   ``CELERY_LOCK_TTL`` setting as ``lock_ttl`` too, but it is read, as ``CELERY_LOCK_TTL``: see
   :meth:`celery_lock.LockSettings.resolve`.)
 
-Each check reads settings, plus, on each lock store, one ``CONFIG GET`` (where the server
-refuses it, as managed services often do, ``INFO memory`` instead; the eviction check is skipped
-where both are refused), one ``CLUSTER INFO`` (the cluster check is skipped where it is
-refused), one ``INFO replication`` and one ``EXISTS`` per key prefix.
+Each check reads settings, plus, on each lock store, one connection, one ``CONFIG GET`` (where
+the server refuses it, as managed services often do, ``INFO memory`` instead; the eviction check
+is skipped where both are refused), one ``CLUSTER INFO`` (the cluster check is skipped where it
+is refused), one ``INFO replication`` and one ``EXISTS`` per key prefix.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ from .store import (
     LockStore,
     address_of,
     cluster_masters,
-    reach,
+    connect,
 )
 
 __all__ = [
@@ -86,6 +90,7 @@ __all__ = [
     "store_prefixes",
     "store_warnings",
     "unknown_settings",
+    "url_mistake",
     "warn_at_startup",
 ]
 
@@ -252,34 +257,40 @@ def store_warnings(
     user out of the keys under one of ``prefixes``; empty if it cannot tell.
 
     Raises:
-        ConfigurationError: naming ``setting`` (where the store's URL came from): the store is a
-            node of a Redis Cluster of several masters (see :func:`check_single_endpoint`).
+        ConfigurationError: naming ``setting`` (where the store's URL came from): the store
+            refuses the connection the URL asks for in a way only another URL mends (see
+            :func:`url_mistake`), or is a node of a Redis Cluster of several masters (see
+            :func:`check_single_endpoint`).
     """
     address = address_of(store.client)
     try:
-        config: dict[Any, Any] = store.client.config_get("maxmemory*")
-    except REFUSED_ERRORS as exc:  # connection errors too: test them first
+        connect(store.client)
+    except redis.RedisError as exc:
+        mistake = url_mistake(exc)
+        if mistake is not None:
+            raise ConfigurationError(setting, f"lock store {address} {mistake}") from exc
+        if isinstance(exc, TRANSIENT_ERRORS):
+            return [
+                f"lock store {address} not reachable: {_text(exc)}; tasks will be deferred (or "
+                "run unlocked under fail_open) until it is"
+            ]
+        # NOPERM for the URL's SELECT: the user's permissions may change while the worker
+        # runs, as they may for its keys (see _key_permission_warnings).
         return [
-            f"lock store {address} refused the user or password: {_text(exc)}; tasks will fail "
-            "until the lock store URL has the right ones"
+            f"lock store {address} refused the connection: {_text(exc)}; tasks will fail until "
+            "the user's permissions, or the lock store URL, are fixed"
         ]
-    except TRANSIENT_ERRORS as exc:
+    try:
+        config: dict[Any, Any] = store.client.config_get("maxmemory*")
+    except REFUSED_ERRORS as exc:  # a password asked for at the first command, not connecting
+        raise ConfigurationError(setting, f"lock store {address} {url_mistake(exc)}") from exc
+    except TRANSIENT_ERRORS as exc:  # gone since it connected
         return [
             f"lock store {address} not reachable: {_text(exc)}; tasks will be deferred (or run "
             "unlocked under fail_open) until it is"
         ]
-    except redis.RedisError as exc:
-        # CONFIG denied (a managed service, an ACL). Unless connecting itself was refused (a
-        # SELECT the user may not send, a database out of range), which fails every command: a
-        # command any lock store user may send tells which.
-        try:
-            reach(store.client)
-        except redis.RedisError:
-            return [
-                f"lock store {address} refused the connection: {_text(exc)}; tasks will fail "
-                "until the lock store URL, or its user's permissions, are fixed"
-            ]
-        config = _memory_settings_from_info(store.client)
+    except redis.RedisError:
+        config = _memory_settings_from_info(store.client)  # CONFIG denied: a managed service
     # Asked once the store answered: an unreachable one would cost a connect timeout more.
     check_single_endpoint(store.client, setting)
     found = _replica_warnings(store) + _key_permission_warnings(store, prefixes)
@@ -290,6 +301,45 @@ def store_warnings(
             "a second copy run; use maxmemory-policy noeviction"
         )
     return found
+
+
+def url_mistake(exc: BaseException) -> str | None:
+    """What an error connecting to the lock store says is wrong with its URL, and what to fix,
+    where only another URL mends it; ``None`` for any other error.
+
+    Such errors are a wrong user or password (``WRONGPASS``, ``NOAUTH``: also where the first
+    command, rather than connecting, meets them), a server that does not speak Redis (a protocol
+    error: another service's port), and a connection the server refuses as the URL asks for it
+    (a database out of range, or other than 0 on a Redis Cluster node). Every task would fail
+    unrun on such a store, as long as the URL stays. Not such errors: a store unreachable or
+    timing out, or refusing for now, which it may stop doing while the worker runs (tasks are
+    deferred until then), and ``NOPERM`` for the URL's ``SELECT``, which a change of the user's
+    permissions mends.
+    """
+    if isinstance(exc, REFUSED_ERRORS):
+        return (
+            f"refused the user or password: {_text(exc)}; every task would fail unrun: put the "
+            "user and password the server expects in the URL (redis://user:password@host:port/db)"
+        )
+    if isinstance(exc, redis.InvalidResponse):
+        return (
+            f"does not speak Redis ({_text(exc)}): wrong host or port? Every task would fail "
+            "unrun: point the URL at the lock store's Redis server"
+        )
+    if isinstance(exc, redis.ResponseError) and not isinstance(
+        exc, redis.exceptions.NoPermissionError
+    ):
+        if "DB index" in str(exc) or "SELECT" in str(exc):
+            return (
+                f"refused the URL's database: {_text(exc)}; every task would fail unrun: use a "
+                "database the server has (0 to 15 unless its databases setting says otherwise; "
+                "0 alone on a Redis Cluster node)"
+            )
+        return (
+            f"refused the connection the URL asks for: {_text(exc)}; every task would fail "
+            "unrun: fix the URL's options"
+        )
+    return None
 
 
 def check_single_endpoint(client: redis.Redis, setting: str = "celery_lock_redis_url") -> None:
@@ -477,9 +527,12 @@ def store_prefixes(app: Celery) -> dict[str, set[str]]:
     return {url: prefixes for url, (_, prefixes) in _stores_in_use(app).items()}
 
 
-def _stores_in_use(app: Celery) -> dict[str, tuple[list[str], set[str]]]:
+def _stores_in_use(
+    app: Celery, flags: Mapping[str, str] | None = None
+) -> dict[str, tuple[list[str], set[str]]]:
     """:func:`store_prefixes`, each URL also with the names of what it came from, as an error
-    about it names them: the setting as written (``CELERY_LOCK_REDIS_URL`` too), a task's
+    about it names them: the setting as written (``CELERY_LOCK_REDIS_URL`` too), the worker
+    option that set it (``flags``: setting -> the option's flag, ``--lock-redis-url``), a task's
     option (``<task>.lock_redis_url``, as :meth:`LockSettings.resolve` names it), or
     ``broker_url`` where the broker's URL stands in.
 
@@ -498,7 +551,9 @@ def _stores_in_use(app: Celery) -> dict[str, tuple[list[str], set[str]]]:
 
     app_settings = LockSettings.resolve(app.conf)
     _, conf_name = conf_value(app.conf, "celery_lock_redis_url")
-    app_source = conf_name if app_settings.redis_url else "broker_url"
+    app_source = (flags or {}).get("celery_lock_redis_url") or (
+        conf_name if app_settings.redis_url else "broker_url"
+    )
     with contextlib.suppress(ConfigurationError):  # no app-wide store: each task names its own
         use(lock_store_url(app, app_settings), app_source, app_settings.key_prefix)
     for task in app.tasks.values():
@@ -514,7 +569,12 @@ def _stores_in_use(app: Celery) -> dict[str, tuple[list[str], set[str]]]:
     return found
 
 
-def warn_at_startup(app: Celery, stores: dict[str, LockStore], bodies: int = 1) -> list[str]:
+def warn_at_startup(
+    app: Celery,
+    stores: dict[str, LockStore],
+    bodies: int = 1,
+    flags: Mapping[str, str] | None = None,
+) -> list[str]:
     """Log a warning for every contradiction found in the app's lock settings and stores.
 
     Args:
@@ -522,13 +582,16 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore], bodies: int = 1) 
         stores: the lock stores to check for eviction, by URL.
         bodies: how many task bodies a worker process runs at once (see
             :func:`bodies_per_process`).
+        flags: the settings a worker option set, each with the option's flag
+            (``{"celery_lock_redis_url": "--lock-redis-url"}``), as errors name them.
 
     Returns:
         The warnings, as logged.
 
     Raises:
-        ConfigurationError: a lock store is a node of a Redis Cluster of several masters (see
-            :func:`check_single_endpoint`).
+        ConfigurationError: naming where its URL came from: the server of a lock store refuses
+            the connection the URL asks for (see :func:`url_mistake`), or is a node of a Redis
+            Cluster of several masters (see :func:`check_single_endpoint`).
     """
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 
@@ -542,7 +605,7 @@ def warn_at_startup(app: Celery, stores: dict[str, LockStore], bodies: int = 1) 
                 found += settings_warnings(app, task.name, settings)
     found += beat_warnings(app) + scope_warnings(app)
     try:
-        in_use = _stores_in_use(app)
+        in_use = _stores_in_use(app, flags)
     except ConfigurationError:
         in_use = {}  # a task without a store: a worker refuses to start before this
     for url, store in stores.items():

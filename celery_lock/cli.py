@@ -501,6 +501,11 @@ def _admin(ctx: click.Context, name: str | None = None) -> LockAdmin:
         raise click.ClickException(f"cannot log in to the lock store: {exc}") from exc
     except redis.ResponseError as exc:  # a database the user may not SELECT, or none such
         raise click.ClickException(f"the lock store refused the connection: {exc}") from exc
+    except redis.InvalidResponse as exc:  # a protocol error: another service's port
+        raise click.ClickException(
+            f"the lock store does not speak Redis ({str(exc).rstrip('.')}): wrong host or port "
+            f"in {setting}?"
+        ) from exc
     except (redis.RedisError, ValueError) as exc:
         raise click.ClickException(f"cannot reach the lock store: {exc}") from exc
     # A node of a cluster of several masters holds a share of the keys: ls would list its

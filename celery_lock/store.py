@@ -978,6 +978,19 @@ def _check_out(pool: Any) -> Any:
         return pool.get_connection("EVALSHA")
 
 
+def connect(client: redis.Redis) -> None:
+    """Open one connection of ``client``'s pool, as its first command would (the URL's user and
+    password, its database, and a lock store's handshake, which sends ``PING``), and put it back
+    for the next command: errors of the connection apart from those of a command.
+
+    Raises:
+        redis.RedisError: what connecting raised (the server unreachable, a wrong password, a
+            database out of range, a server that does not speak Redis).
+    """
+    pool = client.connection_pool
+    pool.release(_check_out(pool))
+
+
 def reach(client: redis.Redis) -> None:
     """Make one round trip that any user the scripts can run as may make: ``SCRIPT EXISTS``
     (``@scripting``, no key), where ``PING`` (``@connection``) may be refused.

@@ -59,12 +59,12 @@ class LockStep(bootsteps.Step):
 
     def __init__(self, parent: Any, **options: Any) -> None:
         try:
-            self._start(parent, options)
+            flags = self._start(parent, options)
             super().__init__(parent, **options)
             bodies = bodies_per_process(
                 getattr(parent, "pool_cls", None), getattr(parent, "concurrency", None) or 1
             )
-            self._check(parent.app, bodies)
+            self._check(parent.app, bodies, flags)
         except ConfigurationError as exc:
             if click.get_current_context(silent=True) is None:
                 raise  # a worker started from Python (app.Worker, start_worker): a typed error
@@ -73,8 +73,9 @@ class LockStep(bootsteps.Step):
             raise click.ClickException(f"celery-lock: {exc}") from exc
 
     @staticmethod
-    def _start(parent: Any, options: dict[str, Any]) -> None:
-        """Apply the worker options to the app's settings, and resolve them."""
+    def _start(parent: Any, options: dict[str, Any]) -> dict[str, str]:
+        """Apply the worker options to the app's settings, and resolve them; return the
+        settings the options set, each with its option's flag."""
         app: Celery = parent.app
         given: dict[str, tuple[str, Any]] = {}  # setting -> (option's flag, its value)
         for option, setting in WORKER_OPTIONS.items():
@@ -90,14 +91,16 @@ class LockStep(bootsteps.Step):
             app.conf.worker_send_task_events = bool(parent.task_events)
         LockSettings.resolve(app.conf)
         reset_runtime(app)
+        return {setting: flag for setting, (flag, _) in given.items()}
 
     @staticmethod
-    def _check(app: Celery, bodies: int) -> None:
+    def _check(app: Celery, bodies: int, flags: Mapping[str, str]) -> None:
         """Warn about settings that contradict the guarantees (see :mod:`celery_lock.checks`);
-        ``bodies``: how many task bodies a worker process runs at once."""
+        ``bodies``: how many task bodies a worker process runs at once; ``flags``: the settings
+        worker options set, each with its option's flag."""
         stores = {url: LockStore.from_url(url) for url in store_prefixes(app)}
         try:
-            warn_at_startup(app, stores, bodies)
+            warn_at_startup(app, stores, bodies, flags)
         finally:
             for store in stores.values():
                 store.close()

@@ -10,10 +10,11 @@ import os
 import random
 import socket
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -343,6 +344,40 @@ def rabbitmq() -> str:
             pytest.fail("RabbitMQ is not reachable at 127.0.0.1:5672 and CI=true")
         pytest.skip("RabbitMQ is not reachable at 127.0.0.1:5672")
     return RABBITMQ_URL
+
+
+@pytest.fixture
+def not_redis() -> Iterator[str]:
+    """``127.0.0.1:<port>`` of a TCP server that is not Redis: it answers each connection's
+    first bytes with AMQP's protocol header, as RabbitMQ's port (5672) answers a Redis client,
+    and ends it. Stopped at the end of the test."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)
+    stop = threading.Event()
+
+    def answer(connection: socket.socket) -> None:
+        with connection, suppress(OSError):
+            connection.settimeout(5)
+            connection.recv(4096)
+            connection.sendall(b"AMQP\x00\x00\x09\x01")
+            connection.shutdown(socket.SHUT_WR)
+            while connection.recv(4096):  # until the client hangs up: no reset of its read
+                pass
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=answer, args=(connection,), daemon=True).start()
+
+    serving = threading.Thread(target=serve, daemon=True)
+    serving.start()
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    serving.join(5)
+    server.close()
 
 
 @pytest.fixture

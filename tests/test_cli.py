@@ -290,6 +290,18 @@ def test_a_store_that_refuses_the_connection_is_a_clean_error(worker_env: dict[s
     assert "Traceback" not in done.stderr
 
 
+def test_a_store_url_at_a_port_that_does_not_speak_redis_is_a_clean_error(
+    worker_env: dict[str, str], not_redis: str
+) -> None:
+    """A protocol error (RabbitMQ's port answers with its own header) said "cannot reach the
+    lock store", which sent the operator after the network, not the URL."""
+    done = celery_lock_cli(worker_env, "--url", f"redis://{not_redis}/0", "ls")
+    assert done.returncode == 1
+    assert "Error: the lock store does not speak Redis (Protocol error" in done.stderr
+    assert "): wrong host or port in --url?" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_request_key_the_library_made_safe_is_found_as_written_and_as_stored(
     worker_env: dict[str, str], store: LockStore
 ) -> None:

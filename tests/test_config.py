@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -660,6 +661,57 @@ def test_an_unreachable_lock_store_is_warned_about() -> None:
     assert warning.endswith(
         "; tasks will be deferred (or run unlocked under fail_open) until it is"
     )
+
+
+def test_a_lock_store_that_times_out_is_warned_about() -> None:
+    """A server that takes the connection and never answers (hung, or behind a firewall that
+    drops its replies) may answer later: a warning, as for one unreachable."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nothing reads
+        port = silent.getsockname()[1]
+        store = LockStore.from_url(f"redis://127.0.0.1:{port}/0?socket_timeout=0.3")
+        try:
+            [warning] = checks.store_warnings(store)
+        finally:
+            store.client.close()
+    assert warning.startswith(f"lock store 127.0.0.1:{port} not reachable: Timeout ")
+    assert warning.endswith("until it is")
+
+
+def test_a_lock_store_url_at_a_port_that_does_not_speak_redis_stops_the_worker(
+    not_redis: str,
+) -> None:
+    """RabbitMQ's port (5672) answers a Redis client with its protocol header: every task
+    failed unrun (a protocol error, a LockStoreError) and was acked. The check refuses the URL,
+    saying what it most likely is."""
+    store = LockStore.from_url(f"redis://{not_redis}/0")
+    try:
+        with pytest.raises(ConfigurationError) as refused:
+            checks.store_warnings(store, setting="celery_lock_redis_url")
+    finally:
+        store.client.close()
+    assert str(refused.value).startswith(
+        f"celery_lock_redis_url: lock store {not_redis} does not speak Redis (Protocol error"
+    )
+    assert "): wrong host or port? Every task would fail unrun" in refused.value.problem
+
+
+@pytest.mark.parametrize(
+    ("error", "refused"),
+    [(redis.AuthenticationError("WRONGPASS invalid username-password pair"), True),
+     (redis.InvalidResponse('Protocol error, got "H" as reply type byte'), True),
+     (redis.ResponseError("DB index is out of range"), True),
+     (redis.ResponseError("SELECT is not allowed in cluster mode"), True),
+     (redis.exceptions.NoPermissionError("no permissions to run the 'select' command"), False),
+     (redis.ConnectionError("Error 111 connecting to h:6379. Connection refused."), False),
+     (redis.TimeoutError("Timeout reading from socket"), False),
+     (redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory"), False)],
+)  # fmt: skip
+def test_only_errors_another_url_mends_refuse_the_lock_store(
+    error: redis.RedisError, refused: bool
+) -> None:
+    """The worker refuses to start for these; a store unreachable, timing out or loading may
+    come back, and a user's permissions may change, while it runs (tasks wait or fail)."""
+    assert (checks.url_mistake(error) is not None) is refused
 
 
 @pytest.mark.parametrize(

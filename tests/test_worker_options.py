@@ -217,10 +217,49 @@ def test_a_lock_store_on_a_node_of_a_cluster_of_several_masters_stops_the_worker
     done = celery("worker", "--lock-redis-url", node.url, "--pool", "solo", env=env)
     assert done.returncode == 1, done.stderr
     assert (
-        f"Error: celery-lock: celery_lock_redis_url: lock store 127.0.0.1:{node.port} is a node "
+        f"Error: celery-lock: --lock-redis-url: lock store 127.0.0.1:{node.port} is a node "
         "of a Redis Cluster of 2 masters"
     ) in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("mistake", ["wrong password", "no such database", "not redis"])
+def test_a_lock_store_url_the_server_refuses_stops_the_worker(
+    worker_env: dict[str, str], not_redis: str, mistake: str
+) -> None:
+    """Started with one warning, such a worker failed every task unrun (LockStoreError) and
+    acked it: the queue drained into FAILURE. One line says what to fix in which URL, naming
+    the option or the setting it came from, and the worker does not start."""
+    with RedisServer(extra_args=["--requirepass", "right-pw"]) as guarded:
+        urls = {
+            "wrong password": f"redis://:wrong-pw@127.0.0.1:{guarded.port}/0",
+            "no such database": f"redis://:right-pw@127.0.0.1:{guarded.port}/99",
+            "not redis": f"redis://{not_redis}/0",
+        }
+        address = not_redis if mistake == "not redis" else f"127.0.0.1:{guarded.port}"
+        refusals = {
+            "wrong password": "refused the user or password: invalid username-password pair",
+            "no such database": "refused the URL's database: DB index is out of range",
+            "not redis": "does not speak Redis (Protocol error",
+        }
+        fixes = {
+            "wrong password": "put the user and password the server expects in the URL",
+            "no such database": "use a database the server has",
+            "not redis": "wrong host or port?",
+        }
+        env = {**os.environ, **worker_env}
+        done = celery("worker", "--lock-redis-url", urls[mistake], "--pool", "solo", env=env)
+        # From the app's setting, the line names the setting.
+        by_conf = celery("worker", "--pool", "solo", env={**env, "STORM_LOCK_URL": urls[mistake]})
+    assert done.returncode == 1, done.stderr
+    assert (
+        f"Error: celery-lock: --lock-redis-url: lock store {address} {refusals[mistake]}"
+    ) in done.stderr
+    assert fixes[mistake] in done.stderr
+    assert "wrong-pw" not in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert by_conf.returncode == 1, by_conf.stderr
+    assert f"Error: celery-lock: celery_lock_redis_url: lock store {address}" in by_conf.stderr
 
 
 @pytest.mark.parametrize(("pool", "warned"), [("threads", True), ("prefork", False)])
