@@ -43,6 +43,11 @@ Each check reads settings, plus, on each lock store, one connection, one ``CONFI
 the server refuses it, as managed services often do, ``INFO memory`` instead; the eviction check
 is skipped where both are refused), one ``CLUSTER INFO`` (the cluster check is skipped where it
 is refused), one ``INFO replication`` and one ``EXISTS`` per key prefix.
+
+Before the warnings, one line at INFO per lock store in use says which it is (its URL with any
+password masked, and where the URL came from), with its key prefix and lease TTL
+(:func:`store_lines`): workers that run the same tasks on different stores or prefixes run one
+request twice, and their logs tell them apart.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ __all__ = [
     "request_class_warnings",
     "scope_warnings",
     "settings_warnings",
+    "store_lines",
     "store_prefixes",
     "store_warnings",
     "unknown_settings",
@@ -569,13 +575,59 @@ def _stores_in_use(
     return found
 
 
+def store_lines(app: Celery, flags: Mapping[str, str] | None = None) -> list[str]:
+    """One line per lock store the app's tasks use, for the log at worker start: its URL
+    (passwords masked), where the URL came from, the key prefix and the lease TTL, then each
+    task whose own options give it another prefix or TTL there. Two workers that run the same
+    tasks must show the same store and prefix: on another, their leases are other keys, and
+    both run a request at once.
+
+    Args:
+        app: the app whose ``app.conf`` and registered ``LockedTask`` settings are read.
+        flags: the settings a worker option set, each with the option's flag (see
+            :func:`warn_at_startup`).
+
+    Raises:
+        ConfigurationError: as :func:`store_prefixes`.
+    """
+    from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
+
+    app_settings = LockSettings.resolve(app.conf)
+    others: dict[str, list[str]] = {}  # a store's URL -> its tasks' other prefixes and TTLs
+    for task in app.tasks.values():
+        if not isinstance(task, LockedTask):
+            continue
+        settings = task.lock_settings()
+        url = lock_store_url(app, settings)
+        differs = []
+        if settings.key_prefix != app_settings.key_prefix:
+            differs.append(f"key prefix {settings.key_prefix!r}")
+        if settings.ttl != app_settings.ttl:
+            differs.append(f"lease TTL {settings.ttl:g}s")
+        if differs:
+            others.setdefault(url, []).append(f"{task.name}: {', '.join(differs)}")
+    lines = []
+    for url, (sources, _) in _stores_in_use(app, flags).items():
+        source = " / ".join(
+            "broker_url, standing in for celery_lock_redis_url" if s == "broker_url" else s
+            for s in sources
+        )
+        line = (
+            f"lock store {passwords_masked(url, url)} (from {source}), key prefix "
+            f"{app_settings.key_prefix!r}, lease TTL {app_settings.ttl:g}s"
+        )
+        lines.append("; ".join([line, *sorted(others.get(url, []))]))
+    return lines
+
+
 def warn_at_startup(
     app: Celery,
     stores: dict[str, LockStore],
     bodies: int = 1,
     flags: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """Log a warning for every contradiction found in the app's lock settings and stores.
+    """Log a warning for every contradiction found in the app's lock settings and stores,
+    after, at INFO, the lock stores the tasks use (:func:`store_lines`).
 
     Args:
         app: the app whose ``app.conf`` and registered ``LockedTask`` settings are checked.
@@ -608,6 +660,9 @@ def warn_at_startup(
         in_use = _stores_in_use(app, flags)
     except ConfigurationError:
         in_use = {}  # a task without a store: a worker refuses to start before this
+    else:
+        for line in store_lines(app, flags):
+            logger.info("celery-lock: %s", line)
     for url, store in stores.items():
         sources, prefixes = in_use.get(url, (["celery_lock_redis_url"], set()))
         found += connection_warnings(store, bodies)

@@ -715,6 +715,60 @@ def test_only_errors_another_url_mends_refuse_the_lock_store(
 
 
 @pytest.mark.parametrize(
+    ("url_from", "source"),
+    [("conf", "celery_lock_redis_url"), ("upper-case conf", "CELERY_LOCK_REDIS_URL"),
+     ("worker option", "--lock-redis-url"),
+     ("broker", "broker_url, standing in for celery_lock_redis_url")],
+)  # fmt: skip
+def test_the_start_up_line_names_the_lock_store_its_source_prefix_and_ttl(
+    url_from: str, source: str
+) -> None:
+    """Workers on different stores (or prefixes) run one request twice: the line each logs at
+    start tells them apart. A task with a store of its own gets a line of its own; one with
+    another prefix or TTL is named on its store's line."""
+    url = "redis://user:pw-in-url@locks.example:6380/2"
+    app = Celery(
+        "config_tests", broker=url if url_from == "broker" else "memory://", set_as_current=False
+    )
+    if url_from == "upper-case conf":
+        app.conf.CELERY_LOCK_REDIS_URL = url
+    elif url_from != "broker":
+        app.conf.celery_lock_redis_url = url
+    app.conf.celery_lock_ttl = 30
+    app.conf.celery_lock_key_prefix = "shop"
+    flags = {"celery_lock_redis_url": "--lock-redis-url"} if url_from == "worker option" else {}
+
+    @app.task(base=LockedTask, name="config_tests.plain", lock_key="n", shared=False)
+    def plain(n: int) -> None:
+        pass
+
+    @app.task(base=LockedTask, name="config_tests.longer", lock_key="n", shared=False,
+              lock_ttl=120, lock_key_prefix="other")  # fmt: skip
+    def longer(n: int) -> None:
+        pass
+
+    @app.task(base=LockedTask, name="config_tests.elsewhere", lock_key="n", shared=False,
+              lock_redis_url="redis://elsewhere:6379/0")  # fmt: skip
+    def elsewhere(n: int) -> None:
+        pass
+
+    # Shared tasks other tests declared are this app's too: they may add to the lines.
+    lines = checks.store_lines(app, flags)
+    masked = "redis://user:***@locks.example:6380/2"
+    [app_line] = [line for line in lines if masked in line]
+    assert app_line.startswith(
+        f"lock store {masked} (from {source}), key prefix 'shop', lease TTL 30s; "
+    )
+    assert "; config_tests.longer: key prefix 'other', lease TTL 120s" in app_line
+    assert "config_tests.plain" not in app_line  # the app's settings: not named
+    assert (
+        "lock store redis://elsewhere:6379/0 (from config_tests.elsewhere.lock_redis_url), key "
+        "prefix 'shop', lease TTL 30s"
+    ) in lines
+    assert "pw-in-url" not in "\n".join(lines)
+
+
+@pytest.mark.parametrize(
     ("policy", "warned"), [("volatile-lru", True), ("allkeys-random", True), ("noeviction", False)]
 )
 def test_a_store_that_refuses_config_get_is_checked_for_eviction_by_info(

@@ -207,6 +207,25 @@ def test_a_lock_store_not_reachable_at_start_is_warned_about_and_the_worker_star
     ), log
 
 
+def test_the_worker_logs_which_lock_store_it_uses(worker: Any) -> None:
+    """Two pools started with different --lock-redis-url values ran the same request twice,
+    and neither log said which store it used: one INFO line at start says it (the password
+    masked), where the URL came from, the key prefix and the lease TTL, and the tasks whose
+    own options differ."""
+    with RedisServer(extra_args=["--requirepass", "s3cret-pw"]) as guarded:
+        url = f"redis://:s3cret-pw@127.0.0.1:{guarded.port}/0"
+        started = worker("--lock-redis-url", url, "--lock-ttl", "30")
+        log = started.log()
+        started.stop()
+    [line] = [line for line in log.splitlines() if "celery-lock: lock store" in line]
+    assert (
+        f"INFO/MainProcess] celery-lock: lock store redis://:***@127.0.0.1:{guarded.port}/0 "
+        "(from --lock-redis-url), key prefix 'celery-lock', lease TTL 30s; storm.busy: lease TTL "
+        "2s; storm.long: lease TTL 2s"
+    ) in line
+    assert "s3cret" not in log
+
+
 def test_a_lock_store_on_a_node_of_a_cluster_of_several_masters_stops_the_worker(
     worker_env: dict[str, str], redis_cluster: Callable[[int], list[RedisServer]]
 ) -> None:
