@@ -688,7 +688,9 @@ def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> Non
         released = False
         if lease is not None:
             # On stderr: stdout is for the result.
-            click.confirm(f"Release {lock_key}, {_held(lease)}?", abort=True, err=True)
+            app = ctx.find_root().params.get("app")
+            held = _held(lease, f"celery -A {app} inspect" if app else "celery inspect")
+            click.confirm(f"Release {lock_key}, {held}?", abort=True, err=True)
             outcome = admin.release(lock_key, holding)
             if outcome < 0:
                 raise click.ClickException(
@@ -700,14 +702,18 @@ def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> Non
           f"released {lock_key}" if released else f"no lease at {lock_key}")  # fmt: skip
 
 
-def _held(lease: LeaseInfo) -> str:
-    """Who holds ``lease`` and for how long, as the release prompt says it."""
+def _held(lease: LeaseInfo, inspect: str = "celery inspect") -> str:
+    """Who holds ``lease`` and for how long, as the release prompt says it, with how to tell
+    whether the holder still runs (``inspect``: the ``celery inspect`` command of its app)."""
     left = _left(lease.ttl_left_s)
     if lease.fence is None:  # every lease celery-lock writes has one
         return f"which holds a value celery-lock did not write ({left})"
     age = "an unknown time" if lease.age_s is None else f"{lease.age_s:.1f}s"
     task_id, task, worker = (_printable(text) for text in (lease.task_id, lease.task, lease.worker))
-    return f"held by {task_id} ({task}) on {worker} for {age} ({left})"
+    return (
+        f"held by {task_id} ({task}) on {worker} for {age} ({left}; alive if "
+        f"`{inspect} query_task {task_id}` finds it active)"
+    )
 
 
 @lock.command(name="forget")
