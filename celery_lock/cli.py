@@ -88,7 +88,8 @@ def _printable(text: str) -> str:
     host, a key) as a line of the text output shows it: escaped as Python writes a str
     (``\\x1b``, ``\\n``, ``\\udcff``) where it holds what a terminal would act on or could
     not print."""
-    return text if text.isprintable() else repr(text)[1:-1]
+    # A backslash too: else the text "\\x1b" would read as the escaped ESC.
+    return text if text.isprintable() and "\\" not in text else repr(text)[1:-1]
 
 
 def _wrong_type(reply: Any) -> bool:
@@ -597,7 +598,7 @@ def show_command(ctx: click.Context, key: str) -> None:
     KEY names the request: one of its keys, as ls lists them, or <scope>:<request key>."""
     info = _admin(ctx, key).show(key)
     lease = info["lease"]
-    lines = [f"key       {info['key']}"]
+    lines = [f"key       {_printable(info['key'])}"]
     if lease is None:
         lines.append("lease     none")
     else:
@@ -690,16 +691,17 @@ def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> Non
             # On stderr: stdout is for the result.
             app = ctx.find_root().params.get("app")
             held = _held(lease, f"celery -A {app} inspect" if app else "celery inspect")
-            click.confirm(f"Release {lock_key}, {held}?", abort=True, err=True)
+            click.confirm(f"Release {_printable(lock_key)}, {held}?", abort=True, err=True)
             outcome = admin.release(lock_key, holding)
             if outcome < 0:
                 raise click.ClickException(
-                    f"not released: {lock_key} changed hands while you were asked "
+                    f"not released: {_printable(lock_key)} changed hands while you were asked "
                     f"(run release again to see its holder)"
                 )
             released = outcome > 0
     _emit(ctx, {"key": lock_key, "released": released},
-          f"released {lock_key}" if released else f"no lease at {lock_key}")  # fmt: skip
+          f"released {_printable(lock_key)}" if released
+          else f"no lease at {_printable(lock_key)}")  # fmt: skip
 
 
 def _held(lease: LeaseInfo, inspect: str = "celery inspect") -> str:
@@ -728,6 +730,10 @@ def forget_command(ctx: click.Context, key: str, task: str | None) -> None:
     stay done."""
     admin = _admin(ctx, key)
     one, deleted = admin.forget(key, task)
-    nothing = f"no done-marker at {one}" if one else f"no done-marker of {admin.lock_key(key)}"
+    nothing = (
+        f"no done-marker at {_printable(one)}"
+        if one
+        else (f"no done-marker of {_printable(admin.lock_key(key))}")
+    )
     forgot = "\n".join(f"forgot {_printable(k)}" for k in deleted)
     _emit(ctx, {"deleted": deleted}, forgot or nothing)

@@ -900,7 +900,7 @@ class KeyDeriver:
             if key is None:
                 raise TypeError("None is no request key")
             return _render(key)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:  # ValueError: an int past str()'s digit limit
             raise LockKeyError(
                 f"lock_key callable {_describe(function)} returned no usable key: {exc}",
                 task_name=self.task_name,

@@ -147,6 +147,8 @@ def test_text_output_escapes_what_a_terminal_would_act_on_in_what_the_store_hold
     holder = Holder(ansi, "storm.\x1bprocess", "host\x1b[31m", 4242)
     granted(store.acquire(keys, new_token(), 30_000, holder, 60_000))
     store.client.set(keys.lock.replace(":lock", ":done:x\x1by"), "task-9")
+    # Text that reads as an escape is escaped too: else it would show as the surrogate above.
+    store.client.set(keys.lock.replace(":lock", ":done:lit"), "req-7\\udcff")
     escaped = "ok\\x1b[2K\\r\\x1b]0;owned\\x07\\n"
     listed = celery_lock_cli(worker_env, "ls")
     assert listed.returncode == 0, listed.stderr
@@ -158,12 +160,18 @@ def test_text_output_escapes_what_a_terminal_would_act_on_in_what_the_store_hold
     assert f"holder    {escaped} (storm.\\x1bprocess) on host\\x1b[31m:4242\n" in shown.stdout
     assert "done      storm.next by req-7\\udcff (" in shown.stdout
     assert "done      x\\x1by by task-9 (no TTL)\n" in shown.stdout
+    assert "done      lit by req-7\\\\udcff (no TTL)\n" in shown.stdout
     asked = celery_lock_cli(worker_env, "release", "storm.process:5", "--force", stdin="n\n")
     assert f"held by {escaped} (storm.\\x1bprocess) on host\\x1b[31m:4242 for" in asked.stderr
     forgot = celery_lock_cli(worker_env, "forget", "storm.process:5")
     assert forgot.returncode == 0, forgot.stderr
     assert f"forgot {keys.lock[: -len(':lock')]}:done:x\\x1by" in forgot.stdout.split("\n")
-    for done in (listed, shown, asked, forgot):
+    # A key the operator typed is echoed escaped as well (pasted from a log, say).
+    typed_key = keys.lock.replace(":lock", ":done:a\x1b[7mb")
+    typed = celery_lock_cli(worker_env, "forget", typed_key)
+    assert typed.returncode == 0, typed.stderr
+    assert typed.stdout == "no done-marker at " + typed_key.replace("\x1b", "\\x1b") + "\n"
+    for done in (listed, shown, asked, forgot, typed):
         assert "\x1b" not in done.stdout + done.stderr
 
 

@@ -900,6 +900,9 @@ def test_an_int_past_python_s_digit_limit_raises_lock_key_error_by_position_as_b
     for args, kwargs in (("acme", huge, None), {}), ((), named):
         with pytest.raises(LockKeyError, match=r"t: cannot render lock_key .* \(\d+ digits\)"):
             derive.request_key(args, kwargs)
+    returned = KeyDeriver.create("t", inspect.signature(_by_name), lambda *args, **kwargs: huge)
+    with pytest.raises(LockKeyError, match=r"returned no usable key: .*\(\d+ digits\)"):
+        returned.request_key(("acme", 1, None), {})
 
 
 def test_bytes_in_a_template_are_digested_not_written_as_hex() -> None:
