@@ -79,6 +79,8 @@ from .store import (
     address_of,
     cluster_masters,
     connect,
+    is_transient_reply,
+    reply_code,
 )
 
 __all__ = [
@@ -275,7 +277,9 @@ def store_warnings(
         mistake = url_mistake(exc)
         if mistake is not None:
             raise ConfigurationError(setting, f"lock store {address} {mistake}") from exc
-        if isinstance(exc, TRANSIENT_ERRORS):
+        if isinstance(exc, TRANSIENT_ERRORS) or (
+            isinstance(exc, redis.ResponseError) and is_transient_reply(exc)
+        ):  # BUSY (a long script) refuses the URL's SELECT for now, as tasks would
             return [
                 f"lock store {address} not reachable: {_text(exc)}; tasks will be deferred (or "
                 "run unlocked under fail_open) until it is"
@@ -335,6 +339,10 @@ def url_mistake(exc: BaseException) -> str | None:
     if isinstance(exc, redis.ResponseError) and not isinstance(
         exc, redis.exceptions.NoPermissionError
     ):
+        if is_transient_reply(exc) or reply_code(exc) == "DENIED":
+            # "Not now" (BUSY: a script running past busy-reply-threshold refuses SELECT), or
+            # the server's own configuration (protected mode): no other URL mends either.
+            return None
         if "DB index" in str(exc) or "SELECT" in str(exc):
             return (
                 f"refused the URL's database: {_text(exc)}; every task would fail unrun: use a "

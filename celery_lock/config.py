@@ -111,13 +111,14 @@ def _check_redis_url(setting: str, url: str) -> None:
 
 
 _USERINFO = re.compile(r"^[^:/?#]*://([^/?#]*)@")
-_PASSWORD_PARAM = re.compile(r"[?&]password=([^&#]*)")
+_PASSWORD_PARAM = re.compile(r"[?&](?:sentinel_)?password=([^&#;]*)")
 
 
 def passwords_masked(text: str, url: str) -> str:
     """``text`` (an error about ``url``) with each password ``url`` holds masked, the one of its
-    user part and any ``password=`` query argument (redis-py takes both): urllib quotes the
-    part of a URL it rejects, user and password included."""
+    user part and any ``password=`` query argument (redis-py takes both), and a sentinel URL's
+    ``sentinel_password=`` (a sentinel broker's ``sentinel_kwargs`` password ends up there):
+    urllib quotes the part of a URL it rejects, user and password included."""
     found = [match.group(1) for match in _PASSWORD_PARAM.finditer(url)]
     user = _USERINFO.match(url)
     if user:

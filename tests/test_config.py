@@ -704,7 +704,12 @@ def test_a_lock_store_url_at_a_port_that_does_not_speak_redis_stops_the_worker(
      (redis.exceptions.NoPermissionError("no permissions to run the 'select' command"), False),
      (redis.ConnectionError("Error 111 connecting to h:6379. Connection refused."), False),
      (redis.TimeoutError("Timeout reading from socket"), False),
-     (redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory"), False)],
+     (redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory"), False),
+     # A script running past busy-reply-threshold: SELECT (db != 0) is refused for now.
+     (redis.ResponseError("BUSY Redis is busy running a script. You can only call SCRIPT "
+                          "KILL or SHUTDOWN NOSAVE."), False),
+     (redis.ResponseError("DENIED Redis is running in protected mode because protected mode "
+                          "is enabled and no password is set for the default user."), False)],
 )  # fmt: skip
 def test_only_errors_another_url_mends_refuse_the_lock_store(
     error: redis.RedisError, refused: bool
@@ -766,6 +771,27 @@ def test_the_start_up_line_names_the_lock_store_its_source_prefix_and_ttl(
         "prefix 'shop', lease TTL 30s"
     ) in lines
     assert "pw-in-url" not in "\n".join(lines)
+
+
+def test_the_start_up_line_masks_a_sentinel_password() -> None:
+    """A sentinel URL's sentinel_password, and a sentinel broker's sentinel_kwargs password
+    (which the lock store URL carries as sentinel_password), are masked as the master's is."""
+    app = Celery(
+        "config_tests",
+        broker="sentinel://:master-pw@s1:26379/3;sentinel://s2:26379",
+        set_as_current=False,
+    )
+    app.conf.broker_transport_options = {
+        "master_name": "m",
+        "sentinel_kwargs": {"password": "sentinel-pw"},
+    }
+    shown = "\n".join(checks.store_lines(app))
+    assert "sentinel_password=***" in shown
+    assert "sentinel-pw" not in shown
+    assert "master-pw" not in shown
+    app.conf.celery_lock_redis_url = "sentinel://s1:26379/2?sentinel_password=own-pw&master_name=m"
+    shown = "\n".join(checks.store_lines(app))
+    assert "own-pw" not in shown
 
 
 @pytest.mark.parametrize(
