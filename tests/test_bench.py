@@ -186,6 +186,45 @@ def test_cachegrind_counts_a_locked_call() -> None:
     assert int(instructions.replace(",", "")) > 50_000
 
 
+@pytest.mark.timeout(QUICK_LIMIT)
+@pytest.mark.parametrize(
+    ("stage", "unit", "least"),
+    [
+        # A message's handling in the main process (strategy, request, pickled job, ack) runs
+        # well over 50,000 instructions, and an apply_async through kombu's producer well over
+        # 200,000: were the stage's calls not counted, the loop alone would be a few hundred.
+        ("main", "message", 50_000),
+        ("publish", "call", 200_000),
+    ],
+)
+def test_cachegrind_counts_a_locked_message_and_publish(stage: str, unit: str, least: int) -> None:
+    """``--stage main`` and ``--stage publish``: per-message and per-call counts, each a
+    difference of two real runs (of a LockedTask only, as above)."""
+    done = run_bench(
+        "--stage", stage, "--calls", "30", "--settings", "hot", "--kinds", "locked", cwd=ROOT,
+        module="bench.cachegrind",
+    )  # fmt: skip
+    if done.returncode == 2 and "valgrind" in done.stderr:
+        pytest.skip(done.stderr.strip())  # a system package: not in the test extra
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.startswith(f"per {unit}, from runs of 30 and 90 {unit}s")
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
+    [(setting, kind, instructions, *_)] = rows[2:]
+    assert (setting.strip(), kind.strip()) == ("hot", "locked")
+    assert int(instructions.replace(",", "")) > least
+
+
+@pytest.mark.parametrize("kind", ["plain", "locked"])
+@pytest.mark.parametrize("stage", ["main", "publish"])
+def test_cachegrind_stages_run_as_a_worker_and_a_client_do(stage: str, kind: str) -> None:
+    """Without valgrind: a stage's calls, run natively, end with the stage's own check that
+    the last went the way a worker's message (acked; for a LockedTask, handed to the pool with
+    the content type ``LockedRequest`` adds) or a client's publish (to the transport) goes; a
+    Celery that handled them otherwise would be counted doing something else."""
+    done = run_bench("--child", stage, kind, "3", "9", "0", cwd=ROOT, module="bench.cachegrind")
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 def test_cachegrind_renders_each_kind_and_the_difference_per_setting() -> None:
     counts = {event: 1000.0 for event in cachegrind.EVENTS}
     results = [
