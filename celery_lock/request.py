@@ -8,7 +8,9 @@ and :class:`LockedRequest`, the request class of every ``LockedTask``, sends the
 outcome reaches the main process, through the worker's own event dispatcher, exactly as Celery
 sends ``task-succeeded``.
 
-A task with a request class of its own should derive it from :class:`LockedRequest`.
+A task with a request class of its own should derive it from :class:`LockedRequest`; one that
+overrides ``request_dict`` must return ``super().request_dict`` (it carries the message's content
+type into the pool process, for a deferral to be published with the serializer it came in).
 """
 
 from __future__ import annotations
@@ -91,6 +93,18 @@ class LockedRequest(Request):
         request: dict[str, Any] = self._request_dict  # type: ignore[attr-defined]
         request[CONTENT_TYPE_FIELD] = self.content_type
         return request
+
+    def execute_using_pool(self, pool: Any, **kwargs: Any) -> Any:
+        """Celery's, which hands the pool ``_request_dict``, not this property. The worker's
+        strategy never calls it (the class it generates has its own, which reads the
+        property): a strategy of one's own, or a caller of its own, does."""
+        self.request_dict  # noqa: B018  # adds the content type
+        return super().execute_using_pool(pool, **kwargs)
+
+    def execute(self, loglevel: Any = None, logfile: Any = None) -> Any:
+        """Celery's in-process execution, which reads ``_request_dict``, not this property."""
+        self.request_dict  # noqa: B018  # adds the content type
+        return super().execute(loglevel, logfile)
 
     def maybe_expire(self) -> Literal[True] | None:
         """Celery's expiry check, except for a message the broker delivers again (a Redis
