@@ -689,8 +689,7 @@ def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> Non
         released = False
         if lease is not None:
             # On stderr: stdout is for the result.
-            app = ctx.find_root().params.get("app")
-            held = _held(lease, f"celery -A {app} inspect" if app else "celery inspect")
+            held = _held(lease, _inspect_command(ctx))
             click.confirm(f"Release {_printable(lock_key)}, {held}?", abort=True, err=True)
             outcome = admin.release(lock_key, holding)
             if outcome < 0:
@@ -702,6 +701,15 @@ def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> Non
     _emit(ctx, {"key": lock_key, "released": released},
           f"released {_printable(lock_key)}" if released
           else f"no lease at {_printable(lock_key)}")  # fmt: skip
+
+
+def _inspect_command(ctx: click.Context) -> str:
+    """The ``celery inspect`` command of the app the command was run for, as it was named."""
+    app = ctx.find_root().params.get("app")
+    if app is None:
+        return "celery inspect"
+    # Celery 5.7 keeps -A's text; older releases hand the app itself, its text lost.
+    return f"celery -A {app if isinstance(app, str) else '<app>'} inspect"
 
 
 def _held(lease: LeaseInfo, inspect: str = "celery inspect") -> str:
