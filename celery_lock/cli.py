@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -722,7 +723,7 @@ def _held(lease: LeaseInfo, inspect: str = "celery inspect") -> str:
     task_id, task, worker = (_printable(text) for text in (lease.task_id, lease.task, lease.worker))
     return (
         f"held by {task_id} ({task}) on {worker} for {age} ({left}; alive if "
-        f"`{inspect} query_task {task_id}` finds it active)"
+        f"`{inspect} query_task {shlex.quote(task_id)}` finds it active)"  # the producer's text
     )
 
 

@@ -111,7 +111,9 @@ def _check_redis_url(setting: str, url: str) -> None:
 
 
 _USERINFO = re.compile(r"^[^:/?#]*://([^/?#]*)@")
-_PASSWORD_PARAM = re.compile(r"[?&](?:sentinel_)?password=([^&#;]*)")
+# A value ends at "&", "#" or the ";" before the next sentinel's URL: redis-py reads a ";" of
+# its own as part of the password.
+_PASSWORD_PARAM = re.compile(r"[?&](?:sentinel_)?password=((?:[^&#;]|;(?![a-z][a-z0-9+.-]*://))*)")
 
 
 def passwords_masked(text: str, url: str) -> str:

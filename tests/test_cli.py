@@ -659,6 +659,10 @@ def test_release_asks_naming_the_holder_its_worker_and_how_long_it_has_held_it(
     alive = f"s left; alive if `celery -A {app} inspect query_task task-3` finds it"
     assert f"{alive} active)? [y/N]" in done.stderr
     assert done.stdout.strip() == f"released {lease.keys.lock}"
+    # A task id is the producer's: the command it is put in quotes it for a shell.
+    take(store, 3, "x $(touch pwned)")
+    hostile = celery_lock_cli(worker_env, "release", "storm.process:3", "--force", stdin="n\n")
+    assert "inspect query_task 'x $(touch pwned)'` finds it active" in hostile.stderr
 
 
 def test_release_deletes_only_the_lease_it_asked_about(

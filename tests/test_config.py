@@ -19,7 +19,7 @@ from redis.crc import key_slot
 
 from celery_lock import ConfigurationError, LockedTask, LockSettings, LockStoreError, checks, config
 from celery_lock.checks import misnamed_settings, settings_warnings
-from celery_lock.config import MAX_SECONDS
+from celery_lock.config import MAX_SECONDS, passwords_masked
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, HandOn, Holder, Lease, encode_done, new_token
 from celery_lock.runtime import lock_store_url
@@ -792,6 +792,21 @@ def test_the_start_up_line_masks_a_sentinel_password() -> None:
     app.conf.celery_lock_redis_url = "sentinel://s1:26379/2?sentinel_password=own-pw&master_name=m"
     shown = "\n".join(checks.store_lines(app))
     assert "own-pw" not in shown
+
+
+def test_a_password_holding_a_semicolon_is_masked_whole() -> None:
+    """redis-py reads a ";" in a password's query argument as part of it: only the ";" before
+    a sentinel's next URL ends one."""
+    app = Celery("config_tests", set_as_current=False)
+    app.conf.celery_lock_redis_url = "redis://h:6379/0?password=top;secret"
+    shown = "\n".join(checks.store_lines(app))
+    assert "password=***" in shown
+    assert "top" not in shown
+    assert "secret" not in shown
+    sentinels = "sentinel://s1:26379?sentinel_password=pw;sentinel://s2:26379"
+    assert passwords_masked(sentinels, sentinels) == (
+        "sentinel://s1:26379?sentinel_password=***;sentinel://s2:26379"
+    )
 
 
 @pytest.mark.parametrize(
