@@ -598,6 +598,11 @@ def store_lines(app: Celery, flags: Mapping[str, str] | None = None) -> list[str
     Raises:
         ConfigurationError: as :func:`store_prefixes`.
     """
+    return _store_lines(app, _stores_in_use(app, flags))
+
+
+def _store_lines(app: Celery, in_use: dict[str, tuple[list[str], set[str]]]) -> list[str]:
+    """:func:`store_lines`, of the stores :func:`_stores_in_use` found (once, at start)."""
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 
     app_settings = LockSettings.resolve(app.conf)
@@ -615,7 +620,7 @@ def store_lines(app: Celery, flags: Mapping[str, str] | None = None) -> list[str
         if differs:
             others.setdefault(url, []).append(f"{task.name}: {', '.join(differs)}")
     lines = []
-    for url, (sources, _) in _stores_in_use(app, flags).items():
+    for url, (sources, _) in in_use.items():
         source = " / ".join(
             "broker_url, standing in for celery_lock_redis_url" if s == "broker_url" else s
             for s in sources
@@ -669,7 +674,7 @@ def warn_at_startup(
     except ConfigurationError:
         in_use = {}  # a task without a store: a worker refuses to start before this
     else:
-        for line in store_lines(app, flags):
+        for line in _store_lines(app, in_use):
             logger.info("celery-lock: %s", line)
     for url, store in stores.items():
         sources, prefixes = in_use.get(url, (["celery_lock_redis_url"], set()))

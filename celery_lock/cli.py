@@ -739,10 +739,9 @@ def forget_command(ctx: click.Context, key: str, task: str | None) -> None:
     stay done."""
     admin = _admin(ctx, key)
     one, deleted = admin.forget(key, task)
-    nothing = (
-        f"no done-marker at {_printable(one)}"
-        if one
-        else (f"no done-marker of {_printable(admin.lock_key(key))}")
-    )
+    if one:
+        nothing = f"no done-marker at {_printable(one)}"
+    else:
+        nothing = f"no done-marker of {_printable(admin.lock_key(key))}"
     forgot = "\n".join(f"forgot {_printable(k)}" for k in deleted)
     _emit(ctx, {"deleted": deleted}, forgot or nothing)
