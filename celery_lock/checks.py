@@ -656,7 +656,8 @@ def warn_at_startup(
     Raises:
         ConfigurationError: naming where its URL came from: the server of a lock store refuses
             the connection the URL asks for (see :func:`url_mistake`), or is a node of a Redis
-            Cluster of several masters (see :func:`check_single_endpoint`).
+            Cluster of several masters (see :func:`check_single_endpoint`). The warnings
+            found before it are logged all the same.
     """
     from .task import LockedTask  # noqa: PLC0415 - task imports worker, which imports this
 
@@ -676,10 +677,14 @@ def warn_at_startup(
     else:
         for line in _store_lines(app, in_use):
             logger.info("celery-lock: %s", line)
-    for url, store in stores.items():
-        sources, prefixes = in_use.get(url, (["celery_lock_redis_url"], set()))
-        found += connection_warnings(store, bodies)
-        found += store_warnings(store, sorted(prefixes), " / ".join(sources))
-    for message in found:
-        logger.warning("celery-lock: %s", message)
+    try:
+        for url, store in stores.items():
+            sources, prefixes = in_use.get(url, (["celery_lock_redis_url"], set()))
+            found += connection_warnings(store, bodies)
+            found += store_warnings(store, sorted(prefixes), " / ".join(sources))
+    finally:
+        # Logged also when a store is refused and the worker stops: the operator who mends
+        # its URL meets them now, not at the next start.
+        for message in found:
+            logger.warning("celery-lock: %s", message)
     return found

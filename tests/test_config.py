@@ -905,6 +905,26 @@ def test_a_lock_store_on_a_node_of_a_cluster_of_several_masters_stops_the_worker
     assert ("Set celery_lock_redis_url" in refused.value.problem) == (url_from == "broker")
 
 
+def test_warnings_found_before_a_refused_lock_store_are_still_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker that a lock store refuses stops at once; the warnings found before (a misnamed
+    setting here) were gathered to be logged after every store, and so were never logged: the
+    operator mended the URL only to meet them at the next start."""
+    app = Celery("config_tests", broker="memory://", set_as_current=False)
+    app.conf.lock_ttl = 30  # misnamed: celery_lock_ttl
+    with RedisServer(extra_args=["--requirepass", "right-pw"]) as guarded:
+        url = f"redis://:wrong-pw@127.0.0.1:{guarded.port}/0"
+        app.conf.celery_lock_redis_url = url
+        store = LockStore.from_url(url)
+        try:
+            with caplog.at_level("WARNING", "celery_lock"), pytest.raises(ConfigurationError):
+                checks.warn_at_startup(app, {url: store})
+        finally:
+            store.close()
+    assert "app.conf has lock_ttl but no celery_lock_ttl" in caplog.text
+
+
 def test_a_cluster_of_one_master_is_a_lock_store_like_a_plain_server(
     redis_cluster: Callable[[int], list[RedisServer]],
 ) -> None:

@@ -47,3 +47,21 @@ def test_the_pool_is_handed_the_content_type(task: Any, generated: bool) -> None
     message.content_type = PICKLE
     request_cls(message, app=task.app, task=task).execute_using_pool(pool)
     assert pool.request[CONTENT_TYPE_FIELD] == PICKLE
+
+
+def test_a_request_executed_in_process_hands_the_task_the_content_type(
+    task: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery's ``Request.execute`` (in-process, no pool) traces the task with
+    ``_request_dict``, not the property: the override adds the content type there too."""
+    traced: dict[str, Any] = {}
+
+    def trace_task(task: Any, uuid: str, args: Any, kwargs: Any, request: Any, **_: Any) -> Any:
+        traced.update(request)
+        return None, None, None, None
+
+    monkeypatch.setattr("celery.worker.request.trace_task", trace_task)
+    message = TaskMessage(task.name, args=(1,))
+    message.content_type = PICKLE
+    symbol_by_name(task.Request)(message, app=task.app, task=task).execute()
+    assert traced[CONTENT_TYPE_FIELD] == PICKLE
