@@ -25,7 +25,13 @@ try:
 except ImportError:  # Celery before 5.5: no native delayed delivery
     _detect_quorum_queues = None  # type: ignore[assignment]
 
-__all__ = ["DEFAULT_VISIBILITY_TIMEOUT", "copy_delivery", "visibility_timeout", "within_visibility"]
+__all__ = [
+    "DEFAULT_VISIBILITY_TIMEOUT",
+    "copy_delivery",
+    "returns_uncounted",
+    "visibility_timeout",
+    "within_visibility",
+]
 
 #: Where _native_delayed_delivery keeps its answer on the app.
 _NATIVE_DELAY = "_celery_lock_native_delay"
@@ -48,6 +54,9 @@ _VISIBILITY_TRANSPORTS = {
 }
 #: The share of the broker's visibility timeout a deferred copy may wait, at most.
 _SHARE_OF_VISIBILITY = 0.5
+#: The kombu transports of Redis, by the broker URL's scheme: a message given back to one
+#: (``Reject(requeue=True)``) is queued again, counted nowhere.
+_REDIS_TRANSPORTS = frozenset({"redis", "rediss", "redis+socket", "sentinel"})
 
 
 def within_visibility(app: Celery, countdown: float) -> float:
@@ -72,6 +81,15 @@ def visibility_timeout(app: Celery) -> float | None:
     options = app.conf.broker_transport_options or {}
     configured = options.get("visibility_timeout")
     return default if configured is None else float(configured)
+
+
+def returns_uncounted(app: Celery) -> bool:
+    """Whether ``app``'s broker takes a message given back (``Reject(requeue=True)``) without
+    counting it as a delivery: Redis's transports do. A RabbitMQ quorum queue counts every
+    return, and drops (or dead-letters) a message past its ``x-delivery-limit`` (RabbitMQ 4
+    gives every quorum queue a limit of 20); SQS counts receives against a redrive policy's
+    ``maxReceiveCount``. Other transports are taken to count too."""
+    return first_broker_url(app).split("://", 1)[0].lower() in _REDIS_TRANSPORTS
 
 
 def copy_delivery(app: Celery, request: Any, countdown: float) -> tuple[float, dict[str, Any]]:

@@ -71,7 +71,7 @@ except ImportError:  # Celery before 5.6.3
 
 from . import signals
 from .config import LockSettings, check_option_names
-from .delivery import copy_delivery, within_visibility
+from .delivery import copy_delivery, returns_uncounted, within_visibility
 from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event, send_task_event_apart
 from .exceptions import (
     ConfigurationError,
@@ -548,7 +548,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             # Raised inside the round trip, perhaps after the script ran: what this token may
             # hold (nothing changes if nothing) is given back.
             unknown_grant = Lease(store, keys, token, settings.ttl_ms, 0, holder, 0)
-            self._cut_before_the_body(exc, request, unknown_grant, settings)
+            self._cut_before_the_body(exc, unknown_grant, settings, args, kwargs)
 
         if isinstance(outcome, Acquired):
             lease = Lease(
@@ -598,21 +598,32 @@ class LockedTask(Task):  # type: ignore[type-arg]
             raise DuplicateTaskError(keys.lock, outcome.task_id)
         return self._skip(keys, "running", outcome.task_id, settings)
 
-    @staticmethod
     def _cut_before_the_body(
-        exc: BaseException, request: Any, lease: Lease, settings: LockSettings
+        self,
+        exc: BaseException,
+        lease: Lease,
+        settings: LockSettings,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> NoReturn:
         """Raise ``exc``, which cut a round trip short before the body began, its lease given
-        back; or, for a soft time limit in a worker, give the message back unrun."""
+        back; or, for a soft time limit in a worker, hand the message back unrun."""
+        request = self.request
         if isinstance(exc, SoftTimeLimitExceeded) and not (
             request.is_eager or request.called_directly
         ):
             # The soft limit came before the body began (a hanging store takes two socket
             # timeouts, about 10 s, to give up): failed, the message would be acked unrun.
-            # Given back, it comes again; without a release, which against that store would
+            # Handed back, it comes again; without a release, which against that store would
             # run into the hard limit, whose kill acks it too. A grant this try may have
             # made holds the request a TTL, and the message, back, waits for it as a
             # redelivery of its own.
+            if not returns_uncounted(self.app):
+                # A broker that counts each return would drop the message after a few such
+                # tries (a quorum queue's delivery limit): republished, as a deferral, the
+                # copy starts a count of its own. Not on Redis, which counts nothing, and is
+                # often the very store that hangs: the publish would hang there too.
+                self._defer(args, kwargs, lease.keys, "store-unavailable", "", 0, exc)
             raise Reject(exc, requeue=True) from exc
         # A signal's exception (SIGTERM's SystemExit in a pool process, a soft time limit) or,
         # under gevent or eventlet, a kill or a hard time limit. A grant no heartbeat knows
@@ -656,7 +667,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         except LockStoreError:
             pass  # the release of a lease confirmed too late: left to lapse
         except BaseException as exc:
-            self._cut_before_the_body(exc, self.request, lease, settings)
+            self._cut_before_the_body(exc, lease, settings, args, kwargs)
         if owned:
             lease.confirmed_at = sent_at
             return None

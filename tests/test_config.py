@@ -17,7 +17,15 @@ from celery import Celery
 from conftest import cluster_node, granted, wait_for
 from redis.crc import key_slot
 
-from celery_lock import ConfigurationError, LockedTask, LockSettings, LockStoreError, checks, config
+from celery_lock import (
+    ConfigurationError,
+    LockedTask,
+    LockSettings,
+    LockStoreError,
+    checks,
+    config,
+    delivery,
+)
 from celery_lock.checks import misnamed_settings, settings_warnings
 from celery_lock.config import MAX_SECONDS, passwords_masked
 from celery_lock.keys import RequestKeys
@@ -603,6 +611,22 @@ def test_fewer_than_three_heartbeats_per_ttl_are_warned(
 def test_no_visibility_warning_where_the_broker_has_no_visibility_timeout(broker: str) -> None:
     app = Celery("config_tests", broker=broker, set_as_current=False)
     assert settings_warnings(app, "t", LockSettings(done_ttl=1)) == []
+
+
+@pytest.mark.parametrize(
+    ("broker", "uncounted"),
+    [("redis://h:6379/0", True), ("REDISS://h:6380/0", True), ("redis+socket:///tmp/r", True),
+     ("sentinel://s1:26379;sentinel://s2:26379", True), ("amqp://guest@h//", False),
+     ("pyamqp://guest@h//", False), ("sqs://", False), ("memory://", False)],
+)  # fmt: skip
+def test_only_redis_brokers_take_a_message_back_without_counting_a_delivery(
+    broker: str, uncounted: bool
+) -> None:
+    """A soft time limit in the acquire hands the message back: by Reject with requeue where
+    the broker counts nothing (Redis, which may be the very store that hangs), else as a
+    republished deferral, which a quorum queue's delivery limit does not count against it."""
+    app = Celery("config_tests", broker=broker, set_as_current=False)
+    assert delivery.returns_uncounted(app) is uncounted
 
 
 @pytest.mark.parametrize(

@@ -11,11 +11,13 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import TestWorkController
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import before_task_publish
 from conftest import hold, start_in_process_worker, wait_for
 from kombu import Exchange, Queue
 
 from celery_lock import LockedTask
+from celery_lock.runtime import get_runtime
 from celery_lock.store import LockStore
 from celery_lock.task import DEFERRALS_HEADER
 
@@ -153,6 +155,31 @@ def test_a_held_request_on_a_quorum_queue_with_a_delivery_limit_runs_once_free(
     threading.Event().wait(3)
     store.release(lease, success=False, done_ttl_ms=60_000)
     assert result.get(timeout=TIMEOUT) == 8
+
+
+@pytest.mark.parametrize("work_queue_arguments", [{"x-delivery-limit": 1}])
+def test_a_soft_time_limit_in_the_acquire_on_a_quorum_queue_with_a_delivery_limit_runs_once(
+    stage: Any, work_worker: Any, deferrals: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock store that hangs past a soft time limit cuts the acquire short, before the body
+    began. The message was given back (Reject with requeue), and a quorum queue counts each
+    return as a delivery: past the limit RabbitMQ dropped it, and the request never ran, its
+    result PENDING for ever. Republished instead, as a deferral, the copy starts a count of
+    its own."""
+    store = get_runtime(stage.app).store_for(stage.lock_settings())
+    acquire, cut = store.acquire, []
+
+    def hangs_three_times(*args: Any, **kwargs: Any) -> Any:
+        if len(cut) < 3:
+            cut.append(args)
+            raise SoftTimeLimitExceeded()
+        return acquire(*args, **kwargs)
+
+    monkeypatch.setattr(store, "acquire", hangs_three_times)
+    result = stage.apply_async((10,), queue=WORK_QUEUE)
+    assert result.get(timeout=TIMEOUT) == 10
+    assert len(cut) == 3
+    assert len(deferrals) == 3
 
 
 @pytest.mark.parametrize("countdown", [1.0, 0.1], ids=["routed", "under-a-second"])
