@@ -54,9 +54,6 @@ _VISIBILITY_TRANSPORTS = {
 }
 #: The share of the broker's visibility timeout a deferred copy may wait, at most.
 _SHARE_OF_VISIBILITY = 0.5
-#: The kombu transports of Redis, by the broker URL's scheme: a message given back to one
-#: (``Reject(requeue=True)``) is queued again, counted nowhere.
-_REDIS_TRANSPORTS = frozenset({"redis", "rediss", "redis+socket", "sentinel"})
 
 
 def within_visibility(app: Celery, countdown: float) -> float:
@@ -84,12 +81,14 @@ def visibility_timeout(app: Celery) -> float | None:
 
 
 def returns_uncounted(app: Celery) -> bool:
-    """Whether ``app``'s broker takes a message given back (``Reject(requeue=True)``) without
-    counting it as a delivery: Redis's transports do. A RabbitMQ quorum queue counts every
-    return, and drops (or dead-letters) a message past its ``x-delivery-limit`` (RabbitMQ 4
-    gives every quorum queue a limit of 20); SQS counts receives against a redrive policy's
+    """Whether the broker ``app``'s worker consumes from (``broker_read_url``, else
+    ``broker_url``) takes a message given back (``Reject(requeue=True)``) without counting it
+    as a delivery: kombu's Redis transports (Sentinel's too) do. A RabbitMQ quorum queue counts
+    every return, and drops (or dead-letters) a message past its ``x-delivery-limit`` (RabbitMQ
+    4 gives every quorum queue a limit of 20); SQS counts receives against a redrive policy's
     ``maxReceiveCount``. Other transports are taken to count too."""
-    return first_broker_url(app).split("://", 1)[0].lower() in _REDIS_TRANSPORTS
+    with app.connection_for_read() as connection:  # not connected: the transport's class
+        return bool(connection.get_transport_cls().driver_type == "redis")
 
 
 def copy_delivery(app: Celery, request: Any, countdown: float) -> tuple[float, dict[str, Any]]:

@@ -623,7 +623,13 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 # tries (a quorum queue's delivery limit): republished, as a deferral, the
                 # copy starts a count of its own. Not on Redis, which counts nothing, and is
                 # often the very store that hangs: the publish would hang there too.
-                self._defer(args, kwargs, lease.keys, "store-unavailable", "", 0, exc)
+                try:
+                    self._defer(args, kwargs, lease.keys, "store-unavailable", "", 0, exc)
+                except Retry:
+                    # Acked with no state stored, as the message given back stores none: a
+                    # RETRY, in a result backend on the Redis that hangs, would wait there
+                    # until the hard limit, whose FAILURE callers would read meanwhile.
+                    raise Ignore() from None
             raise Reject(exc, requeue=True) from exc
         # A signal's exception (SIGTERM's SystemExit in a pool process, a soft time limit) or,
         # under gevent or eventlet, a kill or a hard time limit. A grant no heartbeat knows

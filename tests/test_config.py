@@ -614,18 +614,23 @@ def test_no_visibility_warning_where_the_broker_has_no_visibility_timeout(broker
 
 
 @pytest.mark.parametrize(
-    ("broker", "uncounted"),
-    [("redis://h:6379/0", True), ("REDISS://h:6380/0", True), ("redis+socket:///tmp/r", True),
-     ("sentinel://s1:26379;sentinel://s2:26379", True), ("amqp://guest@h//", False),
-     ("pyamqp://guest@h//", False), ("sqs://", False), ("memory://", False)],
+    ("broker", "read_from", "uncounted"),
+    [("redis://h:6379/0", None, True), ("REDISS://h:6380/0", None, True),
+     ("redis+socket:///tmp/r", None, True), ("sentinel://s1:26379;sentinel://s2:26379", None, True),
+     (["redis://a:6379/0", "redis://b:6379/0"], None, True), ("amqp://guest@h//", None, False),
+     ("pyamqp://guest@h//", None, False), ("amqps://guest@h//", None, False),
+     ("memory://", None, False), ("filesystem://", None, False),
+     ("redis://h:6379/0", "amqp://guest@h//", False), ("amqp://guest@h//", "redis://h/0", True)],
 )  # fmt: skip
 def test_only_redis_brokers_take_a_message_back_without_counting_a_delivery(
-    broker: str, uncounted: bool
+    broker: Any, read_from: str | None, uncounted: bool
 ) -> None:
     """A soft time limit in the acquire hands the message back: by Reject with requeue where
     the broker counts nothing (Redis, which may be the very store that hangs), else as a
-    republished deferral, which a quorum queue's delivery limit does not count against it."""
+    republished deferral, which a quorum queue's delivery limit does not count against it. The
+    broker is the one the worker consumes from, broker_read_url where it is set."""
     app = Celery("config_tests", broker=broker, set_as_current=False)
+    app.conf.broker_read_url = read_from
     assert delivery.returns_uncounted(app) is uncounted
 
 

@@ -16,7 +16,8 @@ from celery.signals import before_task_publish
 from conftest import hold, start_in_process_worker, wait_for
 from kombu import Exchange, Queue
 
-from celery_lock import LockedTask
+from celery_lock import LockedTask, signals
+from celery_lock.lease import Acquired
 from celery_lock.runtime import get_runtime
 from celery_lock.store import LockStore
 from celery_lock.task import DEFERRALS_HEADER
@@ -175,11 +176,50 @@ def test_a_soft_time_limit_in_the_acquire_on_a_quorum_queue_with_a_delivery_limi
             raise SoftTimeLimitExceeded()
         return acquire(*args, **kwargs)
 
+    retried: list[Any] = []
     monkeypatch.setattr(store, "acquire", hangs_three_times)
+    monkeypatch.setattr(stage, "on_retry", lambda *args: retried.append(args))
     result = stage.apply_async((10,), queue=WORK_QUEUE)
     assert result.get(timeout=TIMEOUT) == 10
     assert len(cut) == 3
     assert len(deferrals) == 3
+    # Acked with no state stored: a RETRY, in a result backend on the store that hangs, would
+    # wait there until the hard limit, whose FAILURE callers would read meanwhile.
+    assert retried == []
+
+
+@pytest.mark.parametrize("work_queue_arguments", [{"x-delivery-limit": 1}])
+def test_a_grant_cut_short_by_a_soft_time_limit_waits_as_a_redelivery_of_its_own(
+    stage: Any, work_worker: Any, monkeypatch: pytest.MonkeyPatch, lock_redis: Any
+) -> None:
+    """The acquire's script granted the lease, then the soft limit cut the round trip short:
+    the republished copy finds its own task id holding the request, and waits for the lease
+    to lapse (no heartbeat knows it) instead of running beside a grant, or being skipped."""
+    store = get_runtime(stage.app).store_for(stage.lock_settings())
+    acquire, cut = store.acquire, []
+    reasons: list[tuple[str, str]] = []
+
+    def granted_then_cut(*args: Any, **kwargs: Any) -> Any:
+        outcome = acquire(*args, **kwargs)
+        if not cut:
+            cut.append(outcome)
+            raise SoftTimeLimitExceeded()
+        return outcome
+
+    def on_deferred(sender: Any, reason: str, holder: str, **_: Any) -> None:
+        reasons.append((reason, holder))
+
+    signals.lock_deferred.connect(on_deferred, weak=False)
+    monkeypatch.setattr(store, "acquire", granted_then_cut)
+    try:
+        result = stage.apply_async((11,), queue=WORK_QUEUE)
+        assert result.get(timeout=TIMEOUT) == 11
+    finally:
+        signals.lock_deferred.disconnect(on_deferred)
+    assert isinstance(cut[0], Acquired)
+    assert reasons[0] == ("store-unavailable", "")
+    assert len(reasons) > 1
+    assert set(reasons[1:]) == {("redelivered", result.id)}
 
 
 @pytest.mark.parametrize("countdown", [1.0, 0.1], ids=["routed", "under-a-second"])
