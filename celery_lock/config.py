@@ -14,13 +14,13 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from typing import Any, Literal, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 import redis
 from redis import connection
 
 from .exceptions import ConfigurationError
-from .sentinel import SentinelURL, is_sentinel_url
+from .sentinel import SentinelURL, is_sentinel_url, split_url
 from .store import client_for_url
 
 __all__ = [
@@ -82,7 +82,7 @@ def validate_redis_url(setting: str, url: str) -> str:
 def _check_redis_url(setting: str, url: str) -> None:
     """Refuse a ``redis://``, ``rediss://`` or ``unix://`` URL that redis-py would misread."""
     try:
-        split = urlsplit(url)
+        split = split_url(url)
         split.port  # noqa: B018 - read to be checked: a port that is not a number raises here
     except ValueError as exc:  # an unclosed "[", a host no IP address, a port not a number
         problem = f"malformed URL: {passwords_masked(str(exc), url)}"

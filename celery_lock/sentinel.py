@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import ipaddress
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import redis
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, SSLConnection
@@ -47,6 +49,23 @@ _SCHEME = "sentinel"
 _QUERY = ("master_name", "sentinel_username", "sentinel_password", "min_other_sentinels")
 #: What turns TLS on for the master's connections, and what for the sentinels'.
 _MASTER_TLS, _SENTINEL_TLS = "ssl", "sentinel_ssl"
+
+
+def split_url(url: str) -> SplitResult:
+    """``urlsplit(url)``, refusing (``ValueError``) a host in brackets that is no IPv6 address,
+    as urllib itself does only from Python 3.11.4 and 3.10.16 (CVE-2024-11168, in its words):
+    an older one read ``redis://[zz]/0`` as the host ``zz``, which fails every connection, and
+    ``redis://[127.0.0.1]/0`` as an IPv4 address."""
+    split = urlsplit(url)
+    host = split.netloc.rpartition("@")[2]
+    if host.startswith("[") and "]" in host:
+        bracketed = host[1:].partition("]")[0]
+        if bracketed.startswith("v"):
+            if not re.fullmatch(r"v[a-fA-F0-9]+\..+", bracketed):
+                raise ValueError("IPvFuture address is invalid")
+        elif isinstance(ipaddress.ip_address(bracketed), ipaddress.IPv4Address):
+            raise ValueError("An IPv4 address cannot be in brackets")
+    return split
 
 
 @functools.cache
@@ -127,7 +146,7 @@ class SentinelURL:
         query: dict[str, str] = {}
         db, username, password = 0, None, None
         for index, part in enumerate(url.split(";")):
-            split = urlsplit(part.strip())
+            split = split_url(part.strip())
             if split.scheme != _SCHEME:
                 raise ValueError(f"part {index + 1} of the sentinel list is not a sentinel:// URL")
             try:

@@ -284,6 +284,9 @@ def test_a_lock_store_pool_of_one_connection_is_refused_saying_why(
     [
         ("redis://:secret@[::1/0", "malformed URL: Invalid IPv6 URL"),
         ("redis://:secret@[zz]/0", "malformed URL: 'zz' does not appear to be an IPv4 or IPv6"),
+        # Refused by celery_lock itself where urllib does not (before 3.11.4 and 3.10.16).
+        ("redis://:secret@[127.0.0.1]/0", "malformed URL: An IPv4 address cannot be in brackets"),
+        ("redis://:secret@[v1]/0", "malformed URL: IPvFuture address is invalid"),
         # A FULLWIDTH COMMERCIAL AT: urllib quotes the netloc it refuses, password and all.
         ("redis://:s\uff20cret@localhost/0", "malformed URL: netloc ':***@localhost'"),
     ],

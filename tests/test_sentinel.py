@@ -290,6 +290,7 @@ def test_a_sentinel_urls_tls_options_are_read_for_the_master_and_the_sentinels_a
         ("sentinel://10.0.0.1/locks?master_name=a", "database 'locks' is not a number"),
         ("sentinel://10.0.0.1:port?master_name=a", "sentinel 1 has a port that is no number"),
         ("sentinel://:pw@/0?master_name=a", "sentinel 1 names no host"),
+        ("sentinel://10.0.0.1;sentinel://[zz]?master_name=a", "'zz' does not appear to be an IPv4"),
         ("sentinel://10.0.0.1;redis://10.0.0.2?master_name=a", "part 2 of the sentinel list"),
         ("sentinel://10.0.0.1?master_name=a&min_other_sentinels=one", "a whole number"),
         ("sentinel://10.0.0.1?master_name=a&ssl=yes", "ssl must be true or false, got 'yes'"),
