@@ -890,7 +890,8 @@ def test_a_container_holding_an_object_without_text_raises_lock_key_error() -> N
 
 def test_an_int_past_python_s_digit_limit_raises_lock_key_error_by_position_as_by_name() -> None:
     """``str()`` refuses an int of more digits than Python's limit (4300 by default): the key
-    cannot be made, a LockKeyError (refused at publish), not a bare ValueError."""
+    cannot be made, a LockKeyError (refused at publish), not a bare ValueError. Python's reason
+    reads "the limit (4300 digits)", on 3.10 "the limit (4300)"."""
     limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
     if not limit:
         pytest.skip("this Python writes an int of any size as text")
@@ -898,10 +899,10 @@ def test_an_int_past_python_s_digit_limit_raises_lock_key_error_by_position_as_b
     huge = 10**limit  # one digit more than the limit
     named = {"tenant": "acme", "request_idx": huge, "note": None}
     for args, kwargs in (("acme", huge, None), {}), ((), named):
-        with pytest.raises(LockKeyError, match=r"t: cannot render lock_key .* \(\d+ digits\)"):
+        with pytest.raises(LockKeyError, match=r"t: cannot render lock_key .* \(\d+(?: digits)?\)"):
             derive.request_key(args, kwargs)
     returned = KeyDeriver.create("t", inspect.signature(_by_name), lambda *args, **kwargs: huge)
-    with pytest.raises(LockKeyError, match=r"returned no usable key: .*\(\d+ digits\)"):
+    with pytest.raises(LockKeyError, match=r"returned no usable key: .*\(\d+(?: digits)?\)"):
         returned.request_key(("acme", 1, None), {})
 
 
