@@ -77,6 +77,18 @@ def test_acquire_is_reentrant_for_the_same_token(lock_url: str) -> None:
     assert acquire(store, token) == Acquired(fence=fence)
 
 
+def test_a_reentrant_grant_resets_the_lease_s_ttl(lock_url: str, lock_redis: redis.Redis) -> None:
+    # A retried acquire (its first reply lost) is a grant like any other: the lease it reports
+    # runs a whole TTL from the retry, not from what the first try left of it.
+    store = LockStore.from_url(lock_url)
+    token = new_token()
+    fence = granted(acquire(store, token))
+    lock_redis.pexpire(KEYS.lock, 1_000)
+    assert acquire(store, token) == Acquired(fence=fence)
+    assert 1_000 < lock_redis.pttl(KEYS.lock) <= TTL_MS
+    store.client.close()
+
+
 def test_fence_increases_on_every_grant(lock_url: str) -> None:
     store = LockStore.from_url(lock_url)
     fences = []
@@ -263,6 +275,25 @@ def test_a_grant_with_no_fence_ttl_starts_a_new_counter_from_the_clock_for_ever(
     assert fence > 10**15
     assert lock_redis.get(KEYS.fence) == str(fence).encode()
     assert lock_redis.pttl(KEYS.fence) == -1
+    store.client.close()
+
+
+@pytest.mark.parametrize("fence_ttl_ms", [FENCE_TTL_MS, 0], ids=["with-ttl", "no-ttl"])
+def test_a_clock_past_what_a_fence_holds_starts_the_counter_at_one_with_its_ttl(
+    lock_url: str, lock_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch, fence_ttl_ms: int
+) -> None:
+    # Past the year 2255 the clock in microseconds is no fence (2**53 and above): the counter
+    # INCR creates starts at 1, and lives as a seeded one would, for its TTL or for ever.
+    monkeypatch.setattr(store_module, "_time_ns", lambda: 2**53 * 1000)
+    store = LockStore.from_url(lock_url)
+    token = new_token()
+    assert store.acquire(KEYS, token, TTL_MS, HOLDER, fence_ttl_ms) == Acquired(fence=1)
+    if fence_ttl_ms:
+        assert 0 < lock_redis.pttl(KEYS.fence) <= fence_ttl_ms
+    else:
+        assert lock_redis.pttl(KEYS.fence) == -1
+    assert store.release(lease_for(store, token, 1), success=False, done_ttl_ms=1)
+    assert store.acquire(KEYS, new_token(), TTL_MS, OTHER, fence_ttl_ms) == Acquired(fence=2)
     store.client.close()
 
 
