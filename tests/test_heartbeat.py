@@ -185,6 +185,28 @@ def test_short_leases_coming_and_going_do_not_starve_a_long_one(
         store.client.close()
 
 
+def test_a_lease_among_longer_ones_is_extended_at_its_own_interval(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    # Per-task TTLs: a short lease added while a long one is held is beaten at the shortest
+    # interval held, or it would lapse under its task before the long one's next beat.
+    store = LockStore.from_url(lock_url)
+    heartbeat = Heartbeat()
+    long_lease = _granted(store, "long", ttl_ms=600_000)
+    short = _granted(store, "short", ttl_ms=1_500)
+    first_confirmed = short.confirmed_at
+    heartbeat.add(long_lease, LONG)
+    heartbeat.add(short, 0.3)
+    try:
+        time.sleep(3.0)  # two TTLs of the short lease
+        assert lock_redis.exists(short.keys.lock), "the short lease expired unextended"
+        assert short.confirmed_at > first_confirmed
+        assert not short.lost
+    finally:
+        heartbeat.stop()
+        store.client.close()
+
+
 def test_an_extend_that_meets_the_release_is_not_a_loss(
     lock_url: str, lock_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
