@@ -117,6 +117,13 @@ def test_ttl_sets_the_records_expiry(sink: redis.Redis) -> None:
     assert sink.pttl("sink:no-ttl") == -1
 
 
+def test_a_ttl_under_a_millisecond_still_expires_the_record(sink: redis.Redis) -> None:
+    # Rounded down, it would be the 0 that tells the script to leave the expiry as it is: a
+    # record asked to live a moment would live for ever.
+    fenced_set(sink, KEY, "v", 1, ttl=0.0001)
+    assert sink.pttl(KEY) != -1  # 1 ms to live, or gone already
+
+
 @pytest.mark.parametrize(
     "ttl", [math.inf, -math.inf, math.nan, 0, -1, 1e300, pytest.param(10**400, id="10**400")]
 )
