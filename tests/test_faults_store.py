@@ -1176,6 +1176,8 @@ GARBAGE: dict[str, Callable[[redis.Redis, RequestKeys], Any]] = {
         k.lock, 'someone 1 {"task_id": "x", "task": "shop.process", "pid": 1e999}', px=60_000
     ),
     "lock-nested": lambda r, k: r.set(k.lock, "someone 1 " + "[" * 100_000, px=60_000),
+    # A holder of no task: every lock celery-lock writes names its task.
+    "lock-no-task": lambda r, k: r.set(k.lock, 'someone 1 {"task_id": "x", "task": ""}', px=60_000),
     "fence-abc": lambda r, k: r.set(k.fence, "abc"),
     "fence-at-max": lambda r, k: r.set(k.fence, str(2**63 - 1)),
     # Integers to Python's int(), not to INCR.
@@ -1190,6 +1192,7 @@ EXPECTED = {
     "lock-no-ttl": ("lock", r"did not write \(task 'shop.process', TTL -1"),
     "lock-pid-inf": ("lock", "holds something celery-lock did not write"),
     "lock-nested": ("lock", "holds something celery-lock did not write"),
+    "lock-no-task": ("lock", r"did not write \(task '', TTL"),
     "fence-abc": ("fence", "holds 'abc', expected a fence counter"),
     "fence-at-max": ("fence", "expected a fence counter"),
     "fence-underscore": ("fence", "holds '1_000', expected a fence counter"),
