@@ -795,6 +795,24 @@ def test_redelivered_copy_of_running_message_is_deferred_until_holder_ends(
     assert call["fence"] == lease.fence + 1
 
 
+def test_a_redelivered_copy_waiting_on_its_running_original_stores_no_state(
+    celery_app: Celery, worker: Any, tasks: dict[str, Any], store: LockStore, calls: Calls
+) -> None:
+    # The original runs as this very task id: a RETRY stored for the waiting copy would
+    # overwrite the state its run stored, and show the running task as retrying.
+    lease = hold(store, tasks["process"], 7, "original-id")
+    celery_app.backend.store_result("original-id", {"pid": 1, "hostname": "elsewhere"}, STARTED)
+    with recording(signals.lock_deferred) as deferred:
+        result = tasks["process"].apply_async((7,), task_id="original-id")
+        # Deferred twice: the first deferral's outcome is stored before the second is sent.
+        wait_for("the copy to be deferred twice", lambda: len(deferred) >= 2, TIMEOUT)
+        assert result.state == STARTED
+        store.release(lease, success=False, done_ttl_ms=60_000)
+        assert result.get(timeout=TIMEOUT) == "processed 7"
+    assert {d["reason"] for d in deferred} == {"redelivered"}
+    assert len(calls.seen) == 1
+
+
 def test_contention_with_another_stage_is_deferred_not_skipped(
     worker: Any, tasks: dict[str, Any], store: LockStore, calls: Calls
 ) -> None:
