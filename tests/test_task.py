@@ -596,6 +596,30 @@ def test_a_fresh_unsent_hand_on_marker_of_its_own_defers_the_redelivery_until_it
     assert "when its run ended, its replacement not known to be sent" in caplog.text
 
 
+def test_an_unsent_hand_on_marker_its_replacement_left_acks_a_redelivery_of_the_original(
+    worker: Any,
+    tasks: dict[str, Any],
+    store: LockStore,
+    calls: Calls,
+    lock_redis: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The replacement (same task id, depth 1) handed on again and died sending: its marker is
+    # its own message's to withdraw. The original message (depth 0), delivered again, ran its
+    # part already and is acked unrun, the marker left.
+    caplog.set_level(logging.INFO, logger="celery_lock.task")
+    lease = hold(store, tasks["handoff"], 7, "sending-id")
+    lease.handed_on = HandOn(1, "sending-id")
+    assert store.release(lease, success=True, done_ttl_ms=86_400_000)
+    lock_redis.pexpire(lease.keys.done, 60_000)  # older than a lease TTL: no live run's
+    marker = lock_redis.get(lease.keys.done)
+    tasks["handoff"].apply_async((7,), task_id="sending-id")
+    acked = "already handed on by this task"
+    wait_for("the redelivery acked", lambda: acked in caplog.text, TIMEOUT)
+    assert calls.count("t.handoff") == 0
+    assert lock_redis.get(lease.keys.done) == marker
+
+
 @replacements_keep_their_depth
 def test_an_exception_during_the_hand_on_release_withdraws_the_marker_it_wrote(
     worker: Any,
