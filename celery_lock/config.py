@@ -70,7 +70,10 @@ def validate_redis_url(setting: str, url: str) -> str:
         try:
             SentinelURL.parse(url)
         except ValueError as exc:
-            raise ConfigurationError(setting, f"malformed sentinel URL: {exc}") from None
+            text = str(exc)
+            for part in url.split(";"):  # urllib's message may quote any sentinel's password
+                text = passwords_masked(text, part)
+            raise ConfigurationError(setting, f"malformed sentinel URL: {text}") from None
     else:
         _check_redis_url(setting, url)
     problem = _connection_problem(url)

@@ -52,14 +52,19 @@ _MASTER_TLS, _SENTINEL_TLS = "ssl", "sentinel_ssl"
 
 
 def split_url(url: str) -> SplitResult:
-    """``urlsplit(url)``, refusing (``ValueError``) a host in brackets that is no IPv6 address,
-    as urllib itself does only from Python 3.11.4 and 3.10.16 (CVE-2024-11168, in its words):
-    an older one read ``redis://[zz]/0`` as the host ``zz``, which fails every connection, and
-    ``redis://[127.0.0.1]/0`` as an IPv4 address."""
+    """``urlsplit(url)``, with the checks of brackets that urllib makes only from Python 3.11.4
+    and 3.10.16 (CVE-2024-11168), made on every Python (``ValueError``): a host in brackets
+    must be an IPv6 address (an older urllib read ``redis://[zz]/0`` as the host ``zz``, which
+    fails every connection, and ``redis://h[x]/0`` as ``x``). A ``[`` or ``]`` in the user
+    part is refused before urllib reads it: a newer one would quote the bracketed part of the
+    password in its error."""
+    netloc = re.split("[/?#]", url.partition("://")[2], maxsplit=1)[0]  # as urllib splits it
+    userinfo, _, host = netloc.rpartition("@")
+    if "[" in userinfo or "]" in userinfo:
+        raise ValueError("the URL's user or password holds '[' or ']': write them %5B and %5D")
     split = urlsplit(url)
-    host = split.netloc.rpartition("@")[2]
-    if host.startswith("[") and "]" in host:
-        bracketed = host[1:].partition("]")[0]
+    if "[" in host and "]" in host:
+        bracketed = host.partition("[")[2].partition("]")[0]
         if bracketed.startswith("v"):
             if not re.fullmatch(r"v[a-fA-F0-9]+\..+", bracketed):
                 raise ValueError("IPvFuture address is invalid")

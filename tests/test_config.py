@@ -10,6 +10,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -31,6 +32,7 @@ from celery_lock.config import MAX_SECONDS, passwords_masked
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, HandOn, Holder, Lease, encode_done, new_token
 from celery_lock.runtime import lock_store_url
+from celery_lock.sentinel import split_url
 from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer
 
@@ -289,13 +291,45 @@ def test_a_lock_store_pool_of_one_connection_is_refused_saying_why(
         ("redis://:secret@[v1]/0", "malformed URL: IPvFuture address is invalid"),
         # A FULLWIDTH COMMERCIAL AT: urllib quotes the netloc it refuses, password and all.
         ("redis://:s\uff20cret@localhost/0", "malformed URL: netloc ':***@localhost'"),
+        ("sentinel://:s\uff20cret@h:26379?master_name=m", "malformed sentinel URL: netloc ':***@h"),
+        ("sentinel://h1:26379;sentinel://:s\uff20cret@h2:26379?master_name=m",
+         "malformed sentinel URL: netloc ':***@h2"),
+        # A newer urllib quotes the bracketed part of a password: a bracket there is refused
+        # first, on every Python.
+        ("redis://:top[secret]@h/0", "malformed URL: the URL's user or password holds '['"),
+        ("sentinel://:top[secret]@h:26379?master_name=m",
+         "malformed sentinel URL: the URL's user or password holds '['"),
     ],
-)
+)  # fmt: skip
 def test_a_url_urllib_cannot_split_is_refused_without_its_password(url: str, problem: str) -> None:
     with pytest.raises(ConfigurationError) as raised:
         LockSettings.resolve({"celery_lock_redis_url": url})
     assert raised.value.problem.startswith(problem)
     assert "cret" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "refused"),
+    [("redis://[zz]/0", "'zz' does not appear to be an IPv4 or IPv6 address"),
+     ("redis://h[x]/0", "'x' does not appear to be an IPv4 or IPv6 address"),
+     ("redis://[127.0.0.1]/0", "An IPv4 address cannot be in brackets"),
+     ("redis://[v1]/0", "IPvFuture address is invalid"),
+     ("redis://[::1]:6379/0", None), ("redis://[v1.x]/0", None),
+     ("redis://[fe80::1%25eth0]/0", None), ("redis://u:p@ss@[::1]/0", None),
+     ("unix:///tmp/r.sock", None)],
+)  # fmt: skip
+def test_brackets_in_a_url_are_checked_where_urllib_does_not(
+    url: str, refused: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python's urllib checks a bracketed host only from 3.11.4 and 3.10.16: before, the worker
+    took redis://[zz]/0 for the host zz and failed every connection. celery_lock checks it
+    itself, here with urllib's own check taken away, as an older Python has none."""
+    monkeypatch.setattr("urllib.parse._check_bracketed_host", lambda host: None, raising=False)
+    if refused is None:
+        assert split_url(url) == urlsplit(url)
+    else:
+        with pytest.raises(ValueError, match=re.escape(refused)):
+            split_url(url)
 
 
 @pytest.mark.parametrize("flag", ["True", "False", "0"])
