@@ -652,6 +652,37 @@ def test_an_exception_during_the_hand_on_release_withdraws_the_marker_it_wrote(
 
 
 @replacements_keep_their_depth
+def test_a_hand_on_released_late_by_the_heartbeat_writes_no_marker(
+    worker: Any,
+    tasks: dict[str, Any],
+    calls: Calls,
+    lock_redis: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The hand-on release found the store unavailable, and was left to the heartbeat; the
+    # replacement's send then failed. A marker the heartbeat wrote later would announce that
+    # replacement, and skip every copy of the request until it expired: it writes none.
+    release, failed = LockStore.release, []
+
+    def unavailable_once(self: LockStore, lease: Lease, **options: Any) -> Any:
+        if lease.handed_on is not None and not failed:
+            failed.append(lease)
+            raise LockStoreUnavailableError("release failed: Connection refused", lock_name="x")
+        return release(self, lease, **options)
+
+    monkeypatch.setattr(LockStore, "release", unavailable_once)
+    with pytest.raises(OperationalError, match="broker gone"):
+        tasks["handoff"].delay(7, send=False).get(timeout=TIMEOUT)
+    keys: RequestKeys = tasks["handoff"].request_keys((7,), {})
+    wait_for("the heartbeat's release", lambda: not lock_redis.exists(keys.lock), TIMEOUT)
+    assert failed
+    assert not lock_redis.exists(keys.done)
+    monkeypatch.undo()
+    assert tasks["handoff"].delay(7).get(timeout=TIMEOUT) == "processed 7"
+    assert calls.count("t.handoff") == 2
+
+
+@replacements_keep_their_depth
 def test_a_replacement_that_was_not_sent_leaves_the_request_to_run_again(
     worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
 ) -> None:
