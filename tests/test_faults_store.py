@@ -719,13 +719,16 @@ def test_a_release_left_for_later_is_tried_with_its_outcome_when_the_process_han
     assert not admin.exists(KEYS.lock)
 
 
-@pytest.mark.parametrize("one_left_for_later", [False, True], ids=["held", "and-left-for-later"])
+@pytest.mark.parametrize(
+    "left_for_later", [0, 1, 2], ids=["held", "and-left-for-later", "and-two-left-for-later"]
+)
 def test_hand_back_asks_an_unavailable_store_once_and_leaves_its_other_leases_to_lapse(
-    logs: Records, monkeypatch: pytest.MonkeyPatch, one_left_for_later: bool
+    logs: Records, monkeypatch: pytest.MonkeyPatch, left_for_later: int
 ) -> None:
     """A threads pool's process holds many leases: a store that is down at shutdown is tried
     for the first of them only, not once (and a whole retry deadline) per lease; where a
-    release left for later is tried first, for none of them."""
+    release left for later is tried first, for none of them, nor for the other releases left
+    for later (a mutant trying each of those survived)."""
     server = RedisServer()
     server.start()
     store = LockStore.from_url(server.url_for(2), retry_deadline=0.2)
@@ -744,7 +747,7 @@ def test_hand_back_asks_an_unavailable_store_once_and_leaves_its_other_leases_to
             token = new_token()
             fence = granted(store.acquire(keys, token, 600_000, HOLDER, FENCE_TTL_MS))
             lease = Lease(store, keys, token, 600_000, fence, HOLDER)
-            if one_left_for_later and request == 0:
+            if request < left_for_later:
                 heartbeat.release_later(lease, success=True, done_ttl_ms=60_000)
             else:
                 heartbeat.add(lease, 600)
@@ -752,9 +755,9 @@ def test_hand_back_asks_an_unavailable_store_once_and_leaves_its_other_leases_to
         assert heartbeat.hand_back() == 0
         assert len(asked) == 1
         warned = logs.messages(logging.WARNING, "could not hand back")
-        assert len(warned) == (0 if one_left_for_later else 1)
+        assert len(warned) == (1 if left_for_later == 0 else 0)
         [left] = logs.messages(logging.WARNING, "to lapse")
-        assert "left 2 more lease(s)" in left
+        assert f"left {3 - max(left_for_later, 1)} more lease(s)" in left
         assert heartbeat.leases() == []
     finally:
         heartbeat.stop()
