@@ -1943,6 +1943,9 @@ def test_a_long_deferred_copy_waits_at_most_a_minute(pttl_ms: int) -> None:
     down) or a holder's lease longer than that, DEFER_MAX_DELAY does, give or take the jitter."""
     delays = [LockedTask._defer_delay(10, pttl_ms) for _ in range(50)]
     assert all(0.8 * 60 <= d <= 1.2 * 60 for d in delays), delays
+    # Jittered (±20 %), so that copies deferred together do not all come back together: fifty
+    # draws spread over more than half the range (a mutant without the jitter survived).
+    assert max(delays) - min(delays) > 0.2 * 60, delays
 
 
 def test_track_started_is_taken_from_where_celery_would_take_it() -> None:
