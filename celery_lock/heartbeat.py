@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 from collections import defaultdict
@@ -44,6 +45,23 @@ class _Release:
     #: Called with whether the lease was still owned (``None``: cannot tell, see
     #: :meth:`LockStore.release`), once a try got an answer.
     then: Callable[[bool | None], None] | None
+
+
+# The signals a fault in the thread itself raises: blocked, their outcome is undefined.
+_SYNCHRONOUS = {"SIGBUS", "SIGFPE", "SIGILL", "SIGSEGV", "SIGSYS", "SIGTRAP"}
+
+
+def _leave_signals_to_other_threads() -> None:
+    """Block, in the calling thread (one of the heartbeat's), every signal a process may be
+    sent, so that the kernel hands a process-directed one to the main thread. Handed to this
+    thread, it did not interrupt what the main thread waited on (a body's sleep, a socket
+    read): Python ran the handler only once that wait returned, so a cold shutdown under
+    ``-P solo`` (``SIGQUIT``) cut in after the body's release, and a pool process's
+    ``SIGTERM`` (``revoke(terminate=True)``, a hard time limit) came as late. Not under a green
+    pool, whose heartbeat runs on the main thread itself."""
+    if green_pool() is None and hasattr(signal, "pthread_sigmask"):
+        sent = {s for s in signal.valid_signals() if getattr(s, "name", "") not in _SYNCHRONOUS}
+        signal.pthread_sigmask(signal.SIG_BLOCK, sent)
 
 
 def green_pool() -> str | None:
@@ -183,6 +201,7 @@ class Heartbeat:
         return min((i for _, i in self._leases.values()), default=self._idle_interval)
 
     def _run(self, stopping: threading.Event) -> None:
+        _leave_signals_to_other_threads()
         last_beat = _monotonic()
         try:
             while not stopping.is_set():
@@ -255,6 +274,7 @@ class Heartbeat:
 
     def _extend_apart(self, store: LockStore, leases: list[Lease]) -> None:
         """:meth:`_extend` on a thread of its own; the store may be extended again once done."""
+        _leave_signals_to_other_threads()
         try:
             self._extend(store, leases)
         except Exception:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -180,6 +181,37 @@ def test_short_leases_coming_and_going_do_not_starve_a_long_one(
         assert lock_redis.exists(long_lease.keys.lock), "the long lease expired unextended"
         assert long_lease.confirmed_at > first_confirmed
         assert not long_lease.lost
+    finally:
+        heartbeat.stop()
+        store.client.close()
+
+
+def _blocked_signals(native_id: int) -> int:
+    """The mask of signals a thread of this process blocks (Linux's /proc)."""
+    with open(f"/proc/self/task/{native_id}/status") as status:
+        [mask] = [line.split()[1] for line in status if line.startswith("SigBlk:")]
+    return int(mask, 16)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the mask in /proc")
+def test_the_heartbeat_thread_leaves_signals_to_the_main_thread(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    # Handed to the heartbeat's thread, a process-directed signal (a cold shutdown's SIGQUIT
+    # under -P solo, a pool process's SIGTERM) did not interrupt the body's sleep on the main
+    # thread: its handler ran once the body had run to its end and released (seen in CI).
+    store = LockStore.from_url(lock_url)
+    heartbeat = Heartbeat()
+    heartbeat.add(_granted(store, "any", ttl_ms=60_000), 30)
+    try:
+        [thread] = [t for t in threading.enumerate() if t.name == "celery-lock-heartbeat"]
+        assert thread.native_id is not None
+        bit = {name: 1 << (getattr(signal, name) - 1) for name in ("SIGQUIT", "SIGTERM", "SIGSEGV")}
+        blocked = _blocked_signals(thread.native_id)
+        assert blocked & bit["SIGQUIT"]
+        assert blocked & bit["SIGTERM"]
+        assert not blocked & bit["SIGSEGV"]  # raised by a fault in the thread itself
+        assert not _blocked_signals(threading.get_native_id()) & bit["SIGTERM"]
     finally:
         heartbeat.stop()
         store.client.close()
