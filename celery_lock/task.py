@@ -47,6 +47,7 @@ import os
 import random
 import sys
 import traceback
+import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from time import monotonic as _monotonic
@@ -391,7 +392,17 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 published and fails on the worker, unrun. (A caller that passes ``parent_id``
                 itself is taken for such a step.) The later steps of a call published from a
                 running task are left to the worker too.
+            TypeError: ``task_id`` is given and is neither a ``str`` nor a ``UUID`` (sent as
+                its text); nothing is published.
         """
+        task_id = options.get("task_id")
+        if task_id is not None and not isinstance(task_id, str):
+            if not isinstance(task_id, uuid.UUID):
+                raise TypeError(_not_a_str_id(task_id))
+            # The text kombu's JSON would send over Redis; sent as is, other transports and
+            # serializers hand the worker the object, and the returned result's id is not one
+            # a result backend can look up.
+            options["task_id"] = str(task_id)
         if self._lock_deriver is not None:
             try:
                 self._request_key(tuple(args or ()), kwargs or {})
@@ -545,6 +556,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
         except LockStoreError as exc:
             return self._without_store(exc, settings, keys, args, kwargs)
         except BaseException as exc:
+            if not isinstance(holder.task_id, str):
+                # The holder's JSON refused it before anything was sent; a message sent by
+                # name, which apply_async did not check.
+                raise TypeError(_not_a_str_id(holder.task_id)) from exc
             # Raised inside the round trip, perhaps after the script ran: what this token may
             # hold (nothing changes if nothing) is given back.
             unknown_grant = Lease(store, keys, token, settings.ttl_ms, 0, holder, 0)
@@ -1250,3 +1265,11 @@ def _root_id(request: Any) -> str:
     """The root task id of ``request``'s canvas, as Celery sends it: its own id when it has
     none (Celery's ``as_task_v2`` gives a message without one its task id)."""
     return str(request.root_id or request.id or "")
+
+
+def _not_a_str_id(task_id: object) -> str:
+    """What is wrong with a task id that is not a ``str`` (an int a caller passed)."""
+    return (
+        f"celery-lock: task id {task_id!r} is a {type(task_id).__name__}, not a str: the "
+        "request's lock, done-marker and Celery's result are all stored under it as text"
+    )

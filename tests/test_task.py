@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
@@ -1518,6 +1519,41 @@ def test_a_later_step_with_fixed_arguments_but_no_key_is_refused_at_publish(
     with pytest.raises(LockKeyError, match=r"^t\.process: .*request_idx"):
         publish(tasks)
     assert published == []
+
+
+@pytest.mark.parametrize(
+    "task_id", [12345, 1.5, b"req-7", ["req-7"]], ids=["int", "float", "bytes", "list"]
+)
+def test_a_task_id_that_is_not_text_is_refused_at_publish(
+    tasks: dict[str, Any], published: list[str], task_id: object
+) -> None:
+    # The lock, the done-marker and Celery's result are keyed by it as text: refused where the
+    # caller passes it, not on the worker, which could only fail the request unrun.
+    with pytest.raises(TypeError, match=r"^celery-lock: task id .* is a \w+, not a str"):
+        tasks["process"].apply_async((7,), task_id=task_id)
+    assert published == []
+
+
+def test_a_uuid_task_id_is_published_and_runs(worker: Any, tasks: dict[str, Any]) -> None:
+    # Sent as its text, as kombu's JSON sends it over Redis (this memory transport would hand
+    # the worker the object itself).
+    task_id = uuid.uuid4()
+    result = tasks["process"].apply_async((7,), task_id=task_id)
+    assert result.id == str(task_id)
+    assert result.get(timeout=TIMEOUT) == "processed 7"
+
+
+def test_a_task_id_that_is_not_text_fails_unrun_with_a_clear_error(
+    tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    # Sent by name (or through apply, here), the id reaches the worker unchecked: the request
+    # fails before its acquire is sent, with an error that names the id, not a cleanup's
+    # AttributeError.
+    result = tasks["process"].apply((7,), task_id=12345)
+    with pytest.raises(TypeError, match=r"^celery-lock: task id 12345 is a int, not a str"):
+        result.get()
+    assert calls.seen == []
+    assert lock_redis.keys("*") == []
 
 
 #: A group member refused at publish, as the third member: the call's own key (a LockedTask's
