@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,16 @@ class _Release:
     #: Called with whether the lease was still owned (``None``: cannot tell, see
     #: :meth:`LockStore.release`), once a try got an answer.
     then: Callable[[bool | None], None] | None
+
+
+#: Seconds an exiting process goes on trying the releases left for later of runs that
+#: succeeded (while their leases last): given up, their done-markers are lost, and a later copy
+#: runs the request again. Long enough for a blip or a restart of the lock store, short enough
+#: not to hold up a shutdown much (the process is gone after it, and the store is unavailable
+#: to every locked task meanwhile).
+_EXIT_PATIENCE = 5.0
+#: Seconds between those tries.
+_EXIT_RETRY_PAUSE = 0.2
 
 
 # The signals a fault in the thread itself raises: blocked, their outcome is undefined.
@@ -366,6 +377,36 @@ class Heartbeat:
                 except Exception:
                     logger.exception("celery-lock: after releasing %s", lease.keys.lock)
 
+    def _settle_releases(self, patience: float) -> set[LockStore]:
+        """Try the releases left for later, as :meth:`hand_back` says; log and forget those
+        still left, and return their stores (found unavailable)."""
+        give_up_at = _monotonic() + patience
+        while True:
+            for store in self._stores_releasing():
+                self._release_pending(store)
+            with self._guard:
+                left = list(self._releasing.values())
+            now = _monotonic()
+            if now >= give_up_at or not any(r.success and not r.lease.expired for r in left):
+                break
+            time.sleep(min(_EXIT_RETRY_PAUSE, give_up_at - now))
+        for release in left:
+            with self._guard:
+                if self._releasing.pop(id(release.lease), None) is None:
+                    continue  # the heartbeat's thread tried it meanwhile
+            lease = release.lease
+            logger.log(
+                logging.ERROR if release.success else logging.WARNING,
+                "celery-lock: gave up releasing %s for task %s: the process exits, its lock "
+                "store unavailable%s",
+                lease.keys.lock,
+                lease.holder.task_id,
+                "; no done-marker was written: a later copy runs the request again"
+                if release.success
+                else "; the lease lapses by its TTL",
+            )
+        return {release.lease.store for release in left}
+
     def _keep(self, release: _Release) -> None:
         with self._guard:
             self._releasing[id(release.lease)] = release
@@ -382,21 +423,20 @@ class Heartbeat:
         if held:
             lease.mark_lost()
 
-    def hand_back(self) -> int:
+    def hand_back(self, patience: float = _EXIT_PATIENCE) -> int:
         """Release every held lease without a done-marker; return how many were released.
 
         For a process about to die with bodies unfinished: where their messages come back (a
         shutdown with late acks), they run at once instead of waiting a whole TTL. The releases
-        left for later (:meth:`release_later`) are tried once more first, with their outcome.
-        A store found unavailable is not asked again: the rest of its leases are left to lapse,
-        so that a store that is down or hangs costs the shutdown one try's time (up to two
-        socket timeouts), not one per lease (a threads or gevent pool holds many).
+        left for later (:meth:`release_later`) are tried first, with their outcome: again and
+        again for up to ``patience`` seconds while one of a run that succeeded is left (its
+        done-marker, given up, is lost), else once. A store found unavailable is not asked
+        again: the rest of its leases are left to lapse, so that a store that is down or hangs
+        costs the shutdown one try's time (up to two socket timeouts), not one per lease (a
+        threads or gevent pool holds many).
         """
-        for store in self._stores_releasing():
-            self._release_pending(store)
+        unavailable = self._settle_releases(patience)
         released = 0
-        # What is still left for later found its store unavailable just now.
-        unavailable = self._stores_releasing()
         left: defaultdict[LockStore, int] = defaultdict(int)
         for lease in self.leases():
             self.discard(lease)

@@ -719,6 +719,71 @@ def test_a_release_left_for_later_is_tried_with_its_outcome_when_the_process_han
     assert not admin.exists(KEYS.lock)
 
 
+def test_an_exiting_process_goes_on_trying_a_release_of_a_success_until_the_store_answers(
+    store: LockStore, admin: redis.Redis
+) -> None:
+    """A pool process replaced after each task (``max_tasks_per_child=1``) exits right after
+    its store refused the release for now: a store back within the patience gets the
+    done-marker, where one try, made at once, lost it and a later copy ran the request again."""
+    token = new_token()
+    fence = granted(store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS))
+    lease = Lease(store, KEYS, token, 600_000, fence, HOLDER)
+    dump = fail_saves(admin)
+    with pytest.raises(LockStoreUnavailableError):
+        store.release(lease, success=True, done_ttl_ms=60_000)
+    heartbeat = Heartbeat(default_interval=600)
+    answers: list[bool] = []
+    repair = threading.Timer(0.6, repair_saves, (admin, dump))
+    try:
+        heartbeat.release_later(lease, success=True, done_ttl_ms=60_000, then=answers.append)
+        repair.start()
+        assert heartbeat.hand_back(patience=30) == 0
+    finally:
+        repair.join(TIMEOUT)
+        heartbeat.stop()
+    assert answers == [True]
+    assert admin.get(KEYS.done) == b"task-1"
+    assert not admin.exists(KEYS.lock)
+
+
+@pytest.mark.parametrize("success", [True, False], ids=["success", "failure"])
+def test_an_exiting_process_gives_up_a_release_the_store_keeps_refusing(
+    store: LockStore,
+    admin: redis.Redis,
+    logs: Records,
+    monkeypatch: pytest.MonkeyPatch,
+    success: bool,
+) -> None:
+    """Past its patience, the exiting process gives the release up, with an error that says
+    the request will run again; a failure's release, whose lease only lapses, is tried once."""
+    token = new_token()
+    fence = granted(store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS))
+    lease = Lease(store, KEYS, token, 600_000, fence, HOLDER)
+    dump = fail_saves(admin)
+    heartbeat = Heartbeat(default_interval=600)
+    asked: list[Lease] = []
+    release = store.release
+
+    def counted(lease: Lease, **options: Any) -> bool | None:
+        asked.append(lease)
+        return release(lease, **options)
+
+    monkeypatch.setattr(store, "release", counted)
+    try:
+        heartbeat.release_later(lease, success=success, done_ttl_ms=60_000)
+        assert heartbeat.hand_back(patience=0.5) == 0
+    finally:
+        heartbeat.stop()
+        repair_saves(admin, dump)
+    assert len(asked) > 1 if success else len(asked) == 1
+    [gave_up] = logs.messages(logging.ERROR if success else logging.WARNING, "gave up")
+    assert "the process exits" in gave_up
+    if success:
+        assert "no done-marker was written: a later copy runs the request again" in gave_up
+    assert not admin.exists(KEYS.done)
+    assert admin.exists(KEYS.lock)  # left to lapse
+
+
 @pytest.mark.parametrize(
     "left_for_later", [0, 1, 2], ids=["held", "and-left-for-later", "and-two-left-for-later"]
 )
@@ -752,7 +817,9 @@ def test_hand_back_asks_an_unavailable_store_once_and_leaves_its_other_leases_to
             else:
                 heartbeat.add(lease, 600)
         server.stop()
-        assert heartbeat.hand_back() == 0
+        # Without patience: the releases of successes left for later are otherwise tried
+        # again for that long (the tests below).
+        assert heartbeat.hand_back(patience=0) == 0
         assert len(asked) == 1
         warned = logs.messages(logging.WARNING, "could not hand back")
         assert len(warned) == (1 if left_for_later == 0 else 0)
@@ -763,6 +830,37 @@ def test_hand_back_asks_an_unavailable_store_once_and_leaves_its_other_leases_to
         heartbeat.stop()
         store.close()
         server.stop()
+
+
+@pytest.mark.worker
+def test_a_recycled_pool_process_writes_the_done_marker_once_the_store_is_back(
+    spawn_worker: Callable[..., CeleryWorker],
+    store_env: dict[str, str],
+    producer: Celery,
+    admin: redis.Redis,
+) -> None:
+    """``--max-tasks-per-child 1``: the pool process exits right after each task. Its store
+    refused the release for now (``MISCONF``) and is repaired a second later: the exiting
+    process, still trying, writes the done-marker, and a later copy is skipped (it ran the
+    request again when the process tried once as it went)."""
+    env = {**store_env, "STORE_LOCK_TTL": "30"}
+    worker = spawn_worker("tests.apps.store_app", env, "--max-tasks-per-child", "1", concurrency=1)
+    [first_process] = worker.child_pids()
+    lock = "celery-lock:{store.work:5}:lock"
+    result = producer.send_task("store.work", args=(5,), kwargs={"seconds": 1.0})
+    wait_for("the lease", lambda: admin.exists(lock), TIMEOUT)
+    dump = fail_saves(admin)
+    assert result.get(timeout=TIMEOUT) == 5  # after its release was refused
+    # The process exits now, trying the release: one try, at once, before this change.
+    time.sleep(1.5)
+    repair_saves(admin, dump)
+    wait_for("the lease released", lambda: not admin.exists(lock), TIMEOUT)
+    wait_for("the process replaced", lambda: first_process not in worker.child_pids(), TIMEOUT)
+    assert admin.get("celery-lock:{store.work:5}:done:store.work") == result.id.encode()
+    copy = producer.send_task("store.work", args=(5,))
+    assert settle([copy]) == Counter({SKIPPED: 1})
+    assert [run["request_idx"] for run in recorded(store_env, "store:runs")] == [5]
+    assert "once the lock store answered" in worker.log()
 
 
 @pytest.mark.worker
