@@ -13,6 +13,7 @@ loop goes on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from time import monotonic as _monotonic
 
@@ -60,19 +61,45 @@ _EXIT_RETRY_PAUSE = 0.2
 
 # The signals a fault in the thread itself raises: blocked, their outcome is undefined.
 _SYNCHRONOUS = {"SIGBUS", "SIGFPE", "SIGILL", "SIGSEGV", "SIGSYS", "SIGTRAP"}
+#: Every other signal: those a process may be sent, which the heartbeat's threads block.
+_SENT = frozenset(s for s in signal.valid_signals() if getattr(s, "name", "") not in _SYNCHRONOUS)
 
 
-def _leave_signals_to_other_threads() -> None:
-    """Block, in the calling thread (one of the heartbeat's), every signal a process may be
-    sent, so that the kernel hands a process-directed one to the main thread. Handed to this
-    thread, it did not interrupt what the main thread waited on (a body's sleep, a socket
-    read): Python ran the handler only once that wait returned, so a cold shutdown under
-    ``-P solo`` (``SIGQUIT``) cut in after the body's release, and a pool process's
-    ``SIGTERM`` (``revoke(terminate=True)``, a hard time limit) came as late. Not under a green
-    pool, whose heartbeat runs on the main thread itself."""
-    if green_pool() is None and hasattr(signal, "pthread_sigmask"):
-        sent = {s for s in signal.valid_signals() if getattr(s, "name", "") not in _SYNCHRONOUS}
-        signal.pthread_sigmask(signal.SIG_BLOCK, sent)
+def _start_apart(thread: threading.Thread) -> None:
+    """Start ``thread``, one of the heartbeat's, blocking from its first instruction every
+    signal a process may be sent (it inherits the mask it is started with).
+
+    So that the kernel never hands such a signal to it. The kernel hands a process-directed
+    signal to another thread where the main thread already has one pending: a cold shutdown
+    (``SIGQUIT``) right after a warm one, under ``-P solo``, or a pool process's ``SIGTERM``
+    (``revoke(terminate=True)``, a hard time limit) beside another signal. Handed to the
+    heartbeat's thread, it did not interrupt what the main thread waited on (a body's sleep, a
+    socket read): Python ran the handler only once that wait returned, seconds later. Not under
+    a green pool, whose heartbeat runs on the main thread itself.
+    """
+    if green_pool() is not None or not hasattr(signal, "pthread_sigmask"):
+        thread.start()
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _SENT)
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+@contextlib.contextmanager
+def _signals_unblocked() -> Iterator[None]:
+    """Unblock, while a receiver of the user's runs (on a heartbeat's thread, mostly), the
+    signals that thread blocks: a process the receiver starts inherits the mask, and would
+    ignore ``SIGTERM``. The thread's own mask is put back after, whichever thread it is."""
+    if green_pool() is not None or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_UNBLOCK, _SENT)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def green_pool() -> str | None:
@@ -133,7 +160,7 @@ class Heartbeat:
             )
             self._alive = True
             try:
-                self._thread.start()
+                _start_apart(self._thread)
             except BaseException:
                 # At the thread limit ("can't start new thread"): not running, so that the next
                 # lease tries again rather than trust a thread that never began.
@@ -212,7 +239,6 @@ class Heartbeat:
         return min((i for _, i in self._leases.values()), default=self._idle_interval)
 
     def _run(self, stopping: threading.Event) -> None:
-        _leave_signals_to_other_threads()
         last_beat = _monotonic()
         try:
             while not stopping.is_set():
@@ -277,7 +303,7 @@ class Heartbeat:
                 )
                 self._in_flight[store] = thread
             try:
-                thread.start()
+                _start_apart(thread)
             except RuntimeError:  # "can't start new thread": a process at its limit (pids.max)
                 with self._guard:
                     self._in_flight.pop(store, None)
@@ -285,7 +311,6 @@ class Heartbeat:
 
     def _extend_apart(self, store: LockStore, leases: list[Lease]) -> None:
         """:meth:`_extend` on a thread of its own; the store may be extended again once done."""
-        _leave_signals_to_other_threads()
         try:
             self._extend(store, leases)
         except Exception:
@@ -373,7 +398,8 @@ class Heartbeat:
             )
             if release.then is not None:
                 try:
-                    release.then(owned)
+                    with _signals_unblocked():  # lock_released's receivers
+                        release.then(owned)
                 except Exception:
                     logger.exception("celery-lock: after releasing %s", lease.keys.lock)
 
@@ -421,7 +447,8 @@ class Heartbeat:
         with self._guard:
             held = self._leases.get(id(lease), (None, 0.0))[0] is lease
         if held:
-            lease.mark_lost()
+            with _signals_unblocked():  # lock_lost's receivers
+                lease.mark_lost()
 
     def hand_back(self, patience: float = _EXIT_PATIENCE) -> int:
         """Release every held lease without a done-marker; return how many were released.

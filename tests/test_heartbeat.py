@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import granted
+from conftest import granted, wait_for
 
-from celery_lock.heartbeat import Heartbeat
+from celery_lock.heartbeat import Heartbeat, _signals_unblocked, _start_apart
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.store import LockStore
@@ -186,6 +186,10 @@ def test_short_leases_coming_and_going_do_not_starve_a_long_one(
         store.client.close()
 
 
+#: A signal's bit in a mask /proc shows.
+SIGNAL_BIT = {name: 1 << (getattr(signal, name) - 1) for name in ("SIGQUIT", "SIGTERM", "SIGSEGV")}
+
+
 def _blocked_signals(native_id: int) -> int:
     """The mask of signals a thread of this process blocks (Linux's /proc)."""
     with open(f"/proc/self/task/{native_id}/status") as status:
@@ -197,9 +201,10 @@ def _blocked_signals(native_id: int) -> int:
 def test_the_heartbeat_thread_leaves_signals_to_the_main_thread(
     lock_url: str, lock_redis: redis.Redis
 ) -> None:
-    # Handed to the heartbeat's thread, a process-directed signal (a cold shutdown's SIGQUIT
-    # under -P solo, a pool process's SIGTERM) did not interrupt the body's sleep on the main
-    # thread: its handler ran once the body had run to its end and released (seen in CI).
+    # The kernel hands a process-directed signal to another thread where the main thread has
+    # one pending already: handed to the heartbeat's thread, a cold shutdown's SIGQUIT right
+    # after a warm shutdown's SIGTERM (-P solo) did not interrupt the body's sleep on the main
+    # thread, whose handler ran once the body had run to its end, seconds later.
     store = LockStore.from_url(lock_url)
     heartbeat = Heartbeat()
     heartbeat.add(_granted(store, "any", ttl_ms=60_000), 30)
@@ -207,15 +212,66 @@ def test_the_heartbeat_thread_leaves_signals_to_the_main_thread(
         thread = heartbeat._thread  # other tests' heartbeats may run in this process too
         assert thread is not None
         assert thread.native_id is not None
-        bit = {name: 1 << (getattr(signal, name) - 1) for name in ("SIGQUIT", "SIGTERM", "SIGSEGV")}
+        # Read at once: the thread is started with the mask, not left to set it as it begins.
         blocked = _blocked_signals(thread.native_id)
-        assert blocked & bit["SIGQUIT"]
-        assert blocked & bit["SIGTERM"]
-        assert not blocked & bit["SIGSEGV"]  # raised by a fault in the thread itself
-        assert not _blocked_signals(threading.get_native_id()) & bit["SIGTERM"]
+        assert blocked & SIGNAL_BIT["SIGQUIT"]
+        assert blocked & SIGNAL_BIT["SIGTERM"]
+        assert not blocked & SIGNAL_BIT["SIGSEGV"]  # raised by a fault in the thread itself
+        assert not _blocked_signals(threading.get_native_id()) & SIGNAL_BIT["SIGTERM"]
     finally:
         heartbeat.stop()
         store.client.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the mask in /proc")
+@pytest.mark.parametrize("beaten_by", ["the heartbeat's thread", "the caller"])
+def test_a_lock_lost_receiver_runs_with_the_signals_unblocked(
+    lock_url: str, lock_redis: redis.Redis, beaten_by: str
+) -> None:
+    # A receiver the user connects to lock_lost runs on the heartbeat's thread: a process it
+    # starts inherits the thread's mask, and would ignore SIGTERM. Run by a beat on another
+    # thread, that thread's own mask is left as it was.
+    store = LockStore.from_url(lock_url)
+    heartbeat = Heartbeat()
+    lease = _granted(store, "lost", ttl_ms=60_000)
+    masks: list[tuple[int, int]] = []
+    lease.on_lost = lambda _: masks.append(
+        (threading.get_native_id(), _blocked_signals(threading.get_native_id()))
+    )
+    lock_redis.delete(lease.keys.lock)  # taken from under it
+    main_thread = threading.get_native_id()
+    main_mask = _blocked_signals(main_thread)
+    try:
+        heartbeat.add(lease, 0.05 if beaten_by == "the heartbeat's thread" else LONG)
+        if beaten_by == "the caller":
+            heartbeat.beat()
+        wait_for("the loss reported", lambda: masks, 10.0)
+        [(thread_id, in_receiver)] = masks
+        assert not in_receiver & SIGNAL_BIT["SIGTERM"]
+        # The heartbeat's thread extends a lone store on a thread it starts, masked as it is.
+        assert (thread_id == main_thread) == (beaten_by == "the caller")
+        assert _blocked_signals(main_thread) == main_mask
+    finally:
+        heartbeat.stop()
+        store.client.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the mask in /proc")
+def test_a_heartbeat_thread_blocks_the_signals_again_once_a_receiver_has_run() -> None:
+    masks: list[int] = []
+
+    def receiver_on_a_heartbeat_thread() -> None:
+        masks.append(_blocked_signals(threading.get_native_id()))
+        with _signals_unblocked():
+            masks.append(_blocked_signals(threading.get_native_id()))
+        masks.append(_blocked_signals(threading.get_native_id()))
+
+    thread = threading.Thread(target=receiver_on_a_heartbeat_thread)
+    _start_apart(thread)
+    thread.join(10.0)
+    assert [bool(mask & SIGNAL_BIT["SIGTERM"]) for mask in masks] == [True, False, True]
+    assert masks[0] == masks[2]
+    assert not _blocked_signals(threading.get_native_id()) & SIGNAL_BIT["SIGTERM"]
 
 
 def test_a_lease_among_longer_ones_is_extended_at_its_own_interval(
