@@ -47,7 +47,6 @@ import os
 import random
 import sys
 import traceback
-import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from time import monotonic as _monotonic
@@ -392,17 +391,16 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 published and fails on the worker, unrun. (A caller that passes ``parent_id``
                 itself is taken for such a step.) The later steps of a call published from a
                 running task are left to the worker too.
-            TypeError: ``task_id`` is given and is neither a ``str`` nor a ``UUID`` (sent as
-                its text); nothing is published.
+            TypeError: ``task_id`` is given and is not a ``str`` (an ``int``, a ``UUID``);
+                nothing is published. Except for the next step of a canvas (a ``parent_id``
+                given), published with a warning, as for ``LockKeyError``: it fails on the
+                worker, unrun.
         """
         task_id = options.get("task_id")
         if task_id is not None and not isinstance(task_id, str):
-            if not isinstance(task_id, uuid.UUID):
+            if not options.get("parent_id"):
                 raise TypeError(_not_a_str_id(task_id))
-            # The text kombu's JSON would send over Redis; sent as is, other transports and
-            # serializers hand the worker the object, and the returned result's id is not one
-            # a result backend can look up.
-            options["task_id"] = str(task_id)
+            logger.warning("%s; the worker will fail this step unrun", _not_a_str_id(task_id))
         if self._lock_deriver is not None:
             try:
                 self._request_key(tuple(args or ()), kwargs or {})
@@ -1268,8 +1266,8 @@ def _root_id(request: Any) -> str:
 
 
 def _not_a_str_id(task_id: object) -> str:
-    """What is wrong with a task id that is not a ``str`` (an int a caller passed)."""
+    """What is wrong with a task id that is not a ``str`` (an int or a UUID a caller passed)."""
     return (
         f"celery-lock: task id {task_id!r} is a {type(task_id).__name__}, not a str: the "
-        "request's lock, done-marker and Celery's result are all stored under it as text"
+        "request's lock and done-marker name their holder by it as text (pass str(task_id))"
     )

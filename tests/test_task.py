@@ -1521,36 +1521,49 @@ def test_a_later_step_with_fixed_arguments_but_no_key_is_refused_at_publish(
     assert published == []
 
 
-@pytest.mark.parametrize(
-    "task_id", [12345, 1.5, b"req-7", ["req-7"]], ids=["int", "float", "bytes", "list"]
-)
+#: Task ids a caller may pass that are not text.
+NOT_TEXT_IDS = {
+    "int": 12345,
+    "uuid": uuid.UUID("6e4a2b6c-54c4-4c6e-9d0e-7a0f0f5f3b21"),
+    "float": 1.5,
+    "bytes": b"req-7",
+    "list": ["req-7"],
+}
+
+
+@pytest.mark.parametrize("task_id", NOT_TEXT_IDS.values(), ids=list(NOT_TEXT_IDS))
 def test_a_task_id_that_is_not_text_is_refused_at_publish(
     tasks: dict[str, Any], published: list[str], task_id: object
 ) -> None:
-    # The lock, the done-marker and Celery's result are keyed by it as text: refused where the
-    # caller passes it, not on the worker, which could only fail the request unrun.
+    # The lock and the done-marker name their holder by it as text: refused where the caller
+    # passes it, not on the worker, which could only fail the request unrun. A UUID too: sent
+    # as its text, the results frozen under the UUID itself (a canvas's) would never be found.
     with pytest.raises(TypeError, match=r"^celery-lock: task id .* is a \w+, not a str"):
         tasks["process"].apply_async((7,), task_id=task_id)
     assert published == []
 
 
-def test_a_uuid_task_id_is_published_and_runs(worker: Any, tasks: dict[str, Any]) -> None:
-    # Sent as its text, as kombu's JSON sends it over Redis (this memory transport would hand
-    # the worker the object itself).
-    task_id = uuid.uuid4()
-    result = tasks["process"].apply_async((7,), task_id=task_id)
-    assert result.id == str(task_id)
-    assert result.get(timeout=TIMEOUT) == "processed 7"
+def test_a_canvas_step_with_a_task_id_that_is_not_text_is_published_with_a_warning(
+    tasks: dict[str, Any], published: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A worker publishes the next step once its parent has run: raised there, the error would
+    # fail the parent. The step fails on the worker instead (the next test).
+    with mock.patch.object(Celery, "send_task") as send_task:
+        tasks["process"].apply_async((7,), task_id=12345, parent_id="parent-1")
+    assert send_task.call_count == 1
+    assert "task id 12345 is a int, not a str" in caplog.text
+    assert "(pass str(task_id)); the worker will fail this step unrun" in caplog.text
 
 
+@pytest.mark.parametrize("task_id", [12345, NOT_TEXT_IDS["uuid"]], ids=["int", "uuid"])
 def test_a_task_id_that_is_not_text_fails_unrun_with_a_clear_error(
-    tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+    tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis, task_id: object
 ) -> None:
     # Sent by name (or through apply, here), the id reaches the worker unchecked: the request
     # fails before its acquire is sent, with an error that names the id, not a cleanup's
     # AttributeError.
-    result = tasks["process"].apply((7,), task_id=12345)
-    with pytest.raises(TypeError, match=r"^celery-lock: task id 12345 is a int, not a str"):
+    result = tasks["process"].apply((7,), task_id=task_id)
+    with pytest.raises(TypeError, match=r"^celery-lock: task id .* is a \w+, not a str"):
         result.get()
     assert calls.seen == []
     assert lock_redis.keys("*") == []
