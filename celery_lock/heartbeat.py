@@ -124,6 +124,8 @@ class Heartbeat:
         self._leases: dict[int, tuple[Lease, float]] = {}
         #: Releases that found the store unavailable, tried again on each beat (release_later).
         self._releasing: dict[int, _Release] = {}
+        #: Releases taken out of ``_releasing`` while a thread tries them.
+        self._trying: dict[int, _Release] = {}
         #: What the thread waits while no lease is held: the shortest interval it has seen.
         self._idle_interval = default_interval
         #: What the thread waits now: only a lease that needs a shorter wait wakes it.
@@ -351,69 +353,88 @@ class Heartbeat:
         with self._guard:
             pending = [r for r in self._releasing.values() if r.lease.store is store]
         for release in pending:
-            lease = release.lease
+            key = id(release.lease)
             # Taken out while it is tried: the shutdown's hand_back may try it meanwhile, and
-            # only one of them may report it.
+            # only one of them may report it. Kept in view as tried, for settle_releases.
             with self._guard:
-                if self._releasing.pop(id(lease), None) is None:
+                if self._releasing.pop(key, None) is None:
                     continue
-            if lease.expired:
-                # A whole TTL unconfirmed (or found lost): the lock is gone or another's, and
-                # no try can write the done-marker any more.
-                logger.error(
-                    "celery-lock: gave up releasing %s for task %s: the lock store stayed "
-                    "unavailable until its lease lapsed%s",
-                    lease.keys.lock,
-                    lease.holder.task_id,
-                    "; no done-marker was written" if release.success else "",
-                )
-                continue
-            if give_up_only:
-                self._keep(release)
-                continue
+                self._trying[key] = release
             try:
-                # tried_before: a try of the call that failed may have run, its reply lost.
-                owned = store.release(
-                    lease,
-                    success=release.success,
-                    done_ttl_ms=release.done_ttl_ms,
-                    tried_before=True,
-                )
-            except LockStoreUnavailableError:
-                self._keep(release)
-                give_up_only = True  # still unavailable: the others wait for the next beat
-                continue
-            except LockStoreError as exc:
-                logger.error(
-                    "celery-lock: release of %s for task %s failed: %s",
-                    lease.keys.lock,
-                    lease.holder.task_id,
-                    exc,
-                )
-                continue
-            logger.info(
-                "celery-lock: released %s for task %s once the lock store answered",
+                give_up_only = self._try_release(store, release, give_up_only=give_up_only)
+            finally:
+                with self._guard:
+                    self._trying.pop(key, None)
+
+    def _try_release(self, store: LockStore, release: _Release, *, give_up_only: bool) -> bool:
+        """One try of :meth:`_release_pending`; return whether the store is still to be only
+        given up on (found unavailable)."""
+        lease = release.lease
+        if lease.expired:
+            # A whole TTL unconfirmed (or found lost): the lock is gone or another's, and no
+            # try can write the done-marker any more.
+            logger.error(
+                "celery-lock: gave up releasing %s for task %s: the lock store stayed "
+                "unavailable until its lease lapsed%s",
                 lease.keys.lock,
                 lease.holder.task_id,
+                "; no done-marker was written" if release.success else "",
             )
-            if release.then is not None:
-                try:
-                    with _signals_unblocked():  # lock_released's receivers
-                        release.then(owned)
-                except Exception:
-                    logger.exception("celery-lock: after releasing %s", lease.keys.lock)
+            return give_up_only
+        if give_up_only:
+            self._keep(release)
+            return give_up_only
+        try:
+            # tried_before: a try of the call that failed may have run, its reply lost.
+            owned = store.release(
+                lease,
+                success=release.success,
+                done_ttl_ms=release.done_ttl_ms,
+                tried_before=True,
+            )
+        except LockStoreUnavailableError:
+            self._keep(release)
+            return True  # still unavailable: the others wait for the next beat
+        except LockStoreError as exc:
+            logger.error(
+                "celery-lock: release of %s for task %s failed: %s",
+                lease.keys.lock,
+                lease.holder.task_id,
+                exc,
+            )
+            return give_up_only
+        logger.info(
+            "celery-lock: released %s for task %s once the lock store answered",
+            lease.keys.lock,
+            lease.holder.task_id,
+        )
+        if release.then is not None:
+            try:
+                with _signals_unblocked():  # lock_released's receivers
+                    release.then(owned)
+            except Exception:
+                logger.exception("celery-lock: after releasing %s", lease.keys.lock)
+        return give_up_only
 
-    def _settle_releases(self, patience: float) -> set[LockStore]:
-        """Try the releases left for later, as :meth:`hand_back` says; log and forget those
-        still left, and return their stores (found unavailable)."""
+    def settle_releases(self, patience: float = _EXIT_PATIENCE) -> set[LockStore]:
+        """Try the releases left for later (:meth:`release_later`), with their outcome: again
+        and again for up to ``patience`` seconds while one of a run that succeeded is left (its
+        done-marker, given up, is lost), else once. Log and forget those still left, and return
+        their stores (found unavailable).
+
+        For a process about to end. The heartbeat may go on beating meanwhile (a threads pool's
+        bodies may still run): a release its thread is trying counts as left.
+        """
         give_up_at = _monotonic() + patience
         while True:
             for store in self._stores_releasing():
                 self._release_pending(store)
             with self._guard:
                 left = list(self._releasing.values())
+                tried = list(self._trying.values())
             now = _monotonic()
-            if now >= give_up_at or not any(r.success and not r.lease.expired for r in left):
+            waiting = (r.success and not r.lease.expired for r in left + tried)
+            if now >= give_up_at or not any(waiting):
                 break
             time.sleep(min(_EXIT_RETRY_PAUSE, give_up_at - now))
         for release in left:
@@ -455,14 +476,12 @@ class Heartbeat:
 
         For a process about to die with bodies unfinished: where their messages come back (a
         shutdown with late acks), they run at once instead of waiting a whole TTL. The releases
-        left for later (:meth:`release_later`) are tried first, with their outcome: again and
-        again for up to ``patience`` seconds while one of a run that succeeded is left (its
-        done-marker, given up, is lost), else once. A store found unavailable is not asked
-        again: the rest of its leases are left to lapse, so that a store that is down or hangs
-        costs the shutdown one try's time (up to two socket timeouts), not one per lease (a
-        threads or gevent pool holds many).
+        left for later are settled first (:meth:`settle_releases`). A store found unavailable
+        is not asked again: the rest of its leases are left to lapse, so that a store that is
+        down or hangs costs the shutdown one try's time (up to two socket timeouts), not one per
+        lease (a threads or gevent pool holds many).
         """
-        unavailable = self._settle_releases(patience)
+        unavailable = self.settle_releases(patience)
         released = 0
         left: defaultdict[LockStore, int] = defaultdict(int)
         for lease in self.leases():

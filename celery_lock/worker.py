@@ -25,7 +25,7 @@ import click
 from celery import Celery, bootsteps
 from celery import _state as celery_state
 from celery.app import utils as celery_app_utils
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
 from .canvas import STEP_OPTIONS, check_later_steps
 from .checks import bodies_per_process, store_prefixes, warn_at_startup
@@ -226,9 +226,19 @@ def install(app: Celery) -> Celery:
         heartbeat.stop()
         wait_for_events_apart(5.0)  # a task-lock-lost still on its way
 
+    def settle_releases(**_: Any) -> None:
+        # Solo, threads, gevent and eventlet run the bodies in the worker's own process, which
+        # sends no worker_process_shutdown: a release its store refused for now is tried as
+        # the worker stops (a prefork worker's main process has none). The heartbeat beats on:
+        # a threads pool's bodies may run to their end after this.
+        running = app_ref()
+        if running is not None:
+            get_runtime(running).heartbeat.settle_releases()
+
     uid = f"celery-lock-{id(app)}"
     worker_process_init.connect(start_heartbeat, weak=False, dispatch_uid=f"{uid}-init")
     worker_process_shutdown.connect(stop_heartbeat, weak=False, dispatch_uid=f"{uid}-shutdown")
+    worker_shutdown.connect(settle_releases, weak=False, dispatch_uid=f"{uid}-worker-shutdown")
     # Once the app is gone its id may name a new app, whose receivers a dispatch_uid still
     # registered would keep out.
     weakref.finalize(app, _disconnect, uid)
@@ -288,6 +298,7 @@ def _class_send_task(app: Celery) -> Any:
 def _disconnect(uid: str) -> None:
     worker_process_init.disconnect(dispatch_uid=f"{uid}-init")
     worker_process_shutdown.disconnect(dispatch_uid=f"{uid}-shutdown")
+    worker_shutdown.disconnect(dispatch_uid=f"{uid}-worker-shutdown")
 
 
 def _is_open(app: Celery) -> bool:

@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+import types
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -49,6 +50,7 @@ from redis.backoff import NoBackoff
 from redis.credentials import CredentialProvider
 from redis.retry import Retry
 
+import celery_lock.heartbeat
 from celery_lock import (
     SKIPPED,
     LockedTask,
@@ -57,7 +59,7 @@ from celery_lock import (
     LockStoreUnavailableError,
     signals,
 )
-from celery_lock.heartbeat import Heartbeat
+from celery_lock.heartbeat import Heartbeat, _Release
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, encode_lock, new_token
 from celery_lock.runtime import reset_runtime
@@ -784,6 +786,29 @@ def test_an_exiting_process_gives_up_a_release_the_store_keeps_refusing(
     assert admin.exists(KEYS.lock)  # left to lapse
 
 
+def test_settling_waits_for_a_release_the_heartbeat_thread_is_trying(
+    store: LockStore, logs: Records, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heartbeat beats on as a threads worker stops: a release its thread has taken out
+    to try is still left, and settling waits for it rather than end at once, unsaid."""
+    token = new_token()
+    fence = granted(store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS))
+    lease = Lease(store, KEYS, token, 600_000, fence, HOLDER)
+    heartbeat = Heartbeat(default_interval=600)
+    naps: list[float] = []
+
+    def nap(seconds: float) -> None:
+        naps.append(seconds)
+        if len(naps) == 3:
+            heartbeat._trying.clear()  # the thread's try got its answer
+
+    monkeypatch.setattr(celery_lock.heartbeat, "time", types.SimpleNamespace(sleep=nap))
+    heartbeat._trying[id(lease)] = _Release(lease, True, 60_000, None)  # as the thread has it
+    assert heartbeat.settle_releases(patience=600) == set()
+    assert len(naps) == 3
+    assert logs.messages(logging.WARNING, "gave up") == []
+
+
 @pytest.mark.parametrize(
     "left_for_later", [0, 1, 2], ids=["held", "and-left-for-later", "and-two-left-for-later"]
 )
@@ -860,6 +885,35 @@ def test_a_recycled_pool_process_writes_the_done_marker_once_the_store_is_back(
     copy = producer.send_task("store.work", args=(5,))
     assert settle([copy]) == Counter({SKIPPED: 1})
     assert [run["request_idx"] for run in recorded(store_env, "store:runs")] == [5]
+    assert "once the lock store answered" in worker.log()
+
+
+@pytest.mark.worker
+@pytest.mark.parametrize("pool", ["solo", "threads"])
+def test_a_worker_running_bodies_itself_writes_the_done_marker_as_it_stops(
+    spawn_worker: Callable[..., CeleryWorker],
+    store_env: dict[str, str],
+    producer: Celery,
+    admin: redis.Redis,
+    pool: str,
+) -> None:
+    """Solo and threads workers run the bodies in their own process, which gets no
+    ``worker_process_shutdown``: a release the store refused just before a warm shutdown is
+    tried as the worker stops, and the store, repaired meanwhile, gets the done-marker (the
+    release was dropped unsaid, and a later copy ran the request again)."""
+    env = {**store_env, "STORE_LOCK_TTL": "30"}
+    worker = spawn_worker("tests.apps.store_app", env, pool=pool, concurrency=1)
+    lock = "celery-lock:{store.work:6}:lock"
+    result = producer.send_task("store.work", args=(6,), kwargs={"seconds": 1.0})
+    wait_for("the lease", lambda: admin.exists(lock), TIMEOUT)
+    dump = fail_saves(admin)
+    assert result.get(timeout=TIMEOUT) == 6  # after its release was refused
+    worker.send_signal(signal.SIGTERM)
+    time.sleep(1.5)  # the worker stops meanwhile, trying the release
+    repair_saves(admin, dump)
+    worker.wait(TIMEOUT)
+    assert admin.get("celery-lock:{store.work:6}:done:store.work") == result.id.encode()
+    assert not admin.exists(lock)
     assert "once the lock store answered" in worker.log()
 
 

@@ -1548,6 +1548,7 @@ def test_a_canvas_step_with_a_task_id_that_is_not_text_is_published_with_a_warni
 ) -> None:
     # A worker publishes the next step once its parent has run: raised there, the error would
     # fail the parent. The step fails on the worker instead (the next test).
+    caplog.set_level(logging.WARNING, logger="celery_lock.task")
     with mock.patch.object(Celery, "send_task") as send_task:
         tasks["process"].apply_async((7,), task_id=12345, parent_id="parent-1")
     assert send_task.call_count == 1
