@@ -697,11 +697,28 @@ def test_a_release_the_store_stays_unavailable_for_is_given_up_once_the_lease_la
     assert not admin.exists(keys.lock, keys.done)  # lapsed; no marker
 
 
+def asked_releases(store: LockStore, monkeypatch: pytest.MonkeyPatch) -> list[Lease]:
+    """The leases ``store.release`` is asked to release from now on, in order."""
+    asked: list[Lease] = []
+    release = store.release
+
+    def counted(lease: Lease, **options: Any) -> bool | None:
+        asked.append(lease)
+        return release(lease, **options)
+
+    monkeypatch.setattr(store, "release", counted)
+    return asked
+
+
+@pytest.mark.parametrize("repaired_after", [0.0, 0.6], ids=["repaired-before", "repaired-during"])
 def test_a_release_left_for_later_is_tried_with_its_outcome_when_the_process_hands_back(
-    store: LockStore, admin: redis.Redis
+    store: LockStore, admin: redis.Redis, repaired_after: float
 ) -> None:
     """A pool process that exits (``max_tasks_per_child``, shutdown) right after its store
-    refused a release tries it once more as it hands its leases back: with the done-marker."""
+    refused a release tries it again as it hands its leases back: with the done-marker. A
+    store back within the patience, after the first of those tries, gets it too: one try,
+    made at once, lost it, and a later copy ran the request again (``max_tasks_per_child=1``
+    exits after every task)."""
     token = new_token()
     fence = granted(store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS))
     lease = Lease(store, KEYS, token, 600_000, fence, HOLDER)
@@ -710,36 +727,13 @@ def test_a_release_left_for_later_is_tried_with_its_outcome_when_the_process_han
         store.release(lease, success=True, done_ttl_ms=60_000)
     heartbeat = Heartbeat(default_interval=600)
     answers: list[bool] = []
-    try:
-        heartbeat.release_later(lease, success=True, done_ttl_ms=60_000, then=answers.append)
-        repair_saves(admin, dump)
-        assert heartbeat.hand_back() == 0  # no lease held: nothing handed back
-    finally:
-        heartbeat.stop()
-    assert answers == [True]
-    assert admin.get(KEYS.done) == b"task-1"
-    assert not admin.exists(KEYS.lock)
-
-
-def test_an_exiting_process_goes_on_trying_a_release_of_a_success_until_the_store_answers(
-    store: LockStore, admin: redis.Redis
-) -> None:
-    """A pool process replaced after each task (``max_tasks_per_child=1``) exits right after
-    its store refused the release for now: a store back within the patience gets the
-    done-marker, where one try, made at once, lost it and a later copy ran the request again."""
-    token = new_token()
-    fence = granted(store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS))
-    lease = Lease(store, KEYS, token, 600_000, fence, HOLDER)
-    dump = fail_saves(admin)
-    with pytest.raises(LockStoreUnavailableError):
-        store.release(lease, success=True, done_ttl_ms=60_000)
-    heartbeat = Heartbeat(default_interval=600)
-    answers: list[bool] = []
-    repair = threading.Timer(0.6, repair_saves, (admin, dump))
+    repair = threading.Timer(repaired_after, repair_saves, (admin, dump))
     try:
         heartbeat.release_later(lease, success=True, done_ttl_ms=60_000, then=answers.append)
         repair.start()
-        assert heartbeat.hand_back(patience=30) == 0
+        if not repaired_after:
+            repair.join(TIMEOUT)
+        assert heartbeat.hand_back(patience=30) == 0  # no lease held: nothing handed back
     finally:
         repair.join(TIMEOUT)
         heartbeat.stop()
@@ -763,14 +757,7 @@ def test_an_exiting_process_gives_up_a_release_the_store_keeps_refusing(
     lease = Lease(store, KEYS, token, 600_000, fence, HOLDER)
     dump = fail_saves(admin)
     heartbeat = Heartbeat(default_interval=600)
-    asked: list[Lease] = []
-    release = store.release
-
-    def counted(lease: Lease, **options: Any) -> bool | None:
-        asked.append(lease)
-        return release(lease, **options)
-
-    monkeypatch.setattr(store, "release", counted)
+    asked = asked_releases(store, monkeypatch)
     try:
         heartbeat.release_later(lease, success=success, done_ttl_ms=60_000)
         assert heartbeat.hand_back(patience=0.5) == 0
@@ -823,14 +810,7 @@ def test_hand_back_asks_an_unavailable_store_once_and_leaves_its_other_leases_to
     server.start()
     store = LockStore.from_url(server.url_for(2), retry_deadline=0.2)
     heartbeat = Heartbeat(default_interval=600)
-    asked: list[Lease] = []
-    release = store.release
-
-    def counted(lease: Lease, **options: Any) -> bool | None:
-        asked.append(lease)
-        return release(lease, **options)
-
-    monkeypatch.setattr(store, "release", counted)
+    asked = asked_releases(store, monkeypatch)
     try:
         for request in range(3):
             keys = RequestKeys.build("celery-lock", "s", f"held-{request}", "s")
