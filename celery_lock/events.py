@@ -29,8 +29,10 @@ from time import monotonic
 from typing import Any
 
 from celery import Task
+from tenacity import Retrying, stop_after_delay, wait_random_exponential
 
 __all__ = [
+    "RETRY_SECONDS",
     "TASK_LOCK_LOST",
     "TASK_SKIPPED",
     "send_task_event",
@@ -43,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 #: The threads of :func:`send_task_event_apart` still publishing.
 _senders: set[threading.Thread] = set()
+
+#: Seconds :func:`send_task_event_apart` goes on trying an event the broker did not take.
+RETRY_SECONDS = 60
 
 TASK_SKIPPED = "task-skipped"
 TASK_LOCK_LOST = "task-lock-lost"
@@ -64,12 +69,18 @@ def send_task_event(
     """
     if not hostname or not task_events_enabled(task):
         return
-    fields.setdefault("name", task.name)
     try:
-        with task.app.events.default_dispatcher(hostname=hostname) as dispatcher:
-            dispatcher.send(type_, uuid=task_id, retry=False, **fields)
+        _publish(task, type_, task_id, hostname, fields)
     except Exception:  # an event is worth a log line, never a failed task
         logger.warning("celery-lock: could not send %s for task %s", type_, task_id, exc_info=True)
+
+
+def _publish(
+    task: Task[Any, Any], type_: str, task_id: str, hostname: str, fields: dict[str, Any]
+) -> None:
+    fields.setdefault("name", task.name)
+    with task.app.events.default_dispatcher(hostname=hostname) as dispatcher:
+        dispatcher.send(type_, uuid=task_id, retry=False, **fields)
 
 
 def send_task_event_apart(
@@ -77,13 +88,30 @@ def send_task_event_apart(
 ) -> None:
     """:func:`send_task_event` on a thread of its own, for a caller that must not wait on the
     broker: the heartbeat's thread, whose next extends would wait as long as a publish to a
-    broker that is down takes to give up (seconds). Where no thread can start, sent here."""
+    broker that is down takes to give up (seconds), or a body's. Tried again, with backoff,
+    for up to :data:`RETRY_SECONDS`: a lost lease most often comes with a network that cut the
+    broker too (Celery's own events wait in the worker's buffer meanwhile). Where no thread can
+    start, sent here, once."""
     if not hostname or not task_events_enabled(task):
         return
 
     def send() -> None:
         try:
-            send_task_event(task, type_, task_id, hostname, **fields)
+            for attempt in Retrying(
+                stop=stop_after_delay(RETRY_SECONDS),
+                wait=wait_random_exponential(multiplier=0.5, max=10.0),
+                reraise=True,
+            ):
+                with attempt:
+                    _publish(task, type_, task_id, hostname, dict(fields))
+        except Exception:
+            logger.warning(
+                "celery-lock: could not send %s for task %s in %d s of tries",
+                type_,
+                task_id,
+                RETRY_SECONDS,
+                exc_info=True,
+            )
         finally:
             _senders.discard(threading.current_thread())
 

@@ -72,7 +72,7 @@ except ImportError:  # Celery before 5.6.3
 from . import signals
 from .config import LockSettings, check_option_names
 from .delivery import copy_delivery, returns_uncounted, within_visibility
-from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event, send_task_event_apart
+from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event_apart
 from .exceptions import (
     ConfigurationError,
     DuplicateTaskError,
@@ -483,7 +483,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
         writes that must not happen twice."""
         request = self.request
         lease: Lease | None = getattr(request, "lock_lease", None)
-        if getattr(request, "lock_lost", False) or (lease is not None and lease.expired):
+        lost = getattr(request, "lock_lost", False)
+        if lease is not None and lease.expired:
+            # A whole TTL unconfirmed: lost, as the heartbeat's next beat would find it; told
+            # now (lock_lost, task-lock-lost, the log), for the body, stopping here, may let go
+            # of it before that beat, and a lease no longer held is not reported.
+            lease.mark_lost()
+            lost = True
+        if lost:
             raise LockLostError(getattr(request, "lock_key", ""))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -1063,6 +1070,9 @@ class LockedTask(Task):  # type: ignore[type-arg]
         """Report a release that got an answer: ``owned``, whether the lease was still held
         (``None``: a try whose reply was lost may have released it, or it was lost)."""
         if owned is False:
+            # Lost while held, unseen till now (the body let go before the heartbeat's next
+            # beat): told as the heartbeat would have (once: mark_lost does nothing again).
+            lease.mark_lost()
             logger.warning(
                 "celery-lock: lease on %s was no longer held by task %s at release",
                 lease.keys.lock,
@@ -1126,10 +1136,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if settings.skip_as_success:
             # A copy completed as SUCCESS reaches the main process as a success, with only its
             # result's repr: the pool process sends task-skipped itself, as the worker's
-            # switch stood when the process started (like task-lock-lost).
+            # switch stood when the process started (like task-lock-lost). Apart: a broker
+            # that hangs would hold the pool's slot as long.
             if not request.is_eager:
                 fields = SkippedCopy(keys.lock, reason, holder, handed_on_at).event_fields()
-                send_task_event(
+                send_task_event_apart(
                     self, TASK_SKIPPED, request.id, request.hostname,
                     name=_shown_name(self, request), **fields,
                 )  # fmt: skip

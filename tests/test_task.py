@@ -922,6 +922,33 @@ def test_skip_as_success_returns_marker_for_canvas(
     assert value["holder"] == "holder-id"
 
 
+def test_a_copy_skipped_as_success_does_not_wait_on_the_broker_for_its_event(
+    celery_app: Celery,
+    worker: Any,
+    tasks: dict[str, Any],
+    store: LockStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The pool process sends its task-skipped itself: on the body's thread, a broker that
+    # hangs held the pool's slot as long (a review's run: 17.6 s).
+    celery_app.conf.celery_lock_skip_as_success = True
+    celery_app.conf.worker_send_task_events = True
+    on_its_way, give_up = threading.Event(), threading.Event()
+
+    def stuck_publish(*args: Any) -> None:
+        on_its_way.set()
+        give_up.wait(TIMEOUT)
+
+    monkeypatch.setattr(celery_lock.events, "_publish", stuck_publish)
+    hold(store, tasks["process"], 7, "holder-id")
+    try:
+        assert is_skipped(tasks["process"].delay(7).get(timeout=TIMEOUT / 2))
+        assert on_its_way.wait(TIMEOUT)
+    finally:
+        give_up.set()
+        celery_lock.events.wait_for_events_apart(TIMEOUT)
+
+
 def test_self_retry_releases_without_done_marker(
     worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
 ) -> None:
@@ -1212,8 +1239,7 @@ def test_a_lost_lease_s_event_does_not_hold_up_the_heartbeat(
         on_its_way.set()
         give_up.wait(10)
 
-    monkeypatch.setattr(celery_lock.events, "send_task_event", stuck_publish)
-    monkeypatch.setattr(celery_lock.task, "send_task_event", stuck_publish, raising=False)
+    monkeypatch.setattr(celery_lock.events, "_publish", stuck_publish)
     task = tasks["process"]
     keys = task.request_keys((7,), {})
     holder = Holder("task-1", task.name, "w@h", 1)
@@ -1236,6 +1262,50 @@ def test_a_lost_lease_s_event_does_not_hold_up_the_heartbeat(
     finally:
         give_up.set()
         heartbeat.join(5)
+
+
+def test_an_event_sent_apart_is_tried_again_until_the_broker_takes_it(
+    celery_app: Celery, tasks: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A lost lease most often comes with a network that cut the broker too: one try, and the
+    # task-lock-lost of every lease lost in the outage was dropped.
+    celery_app.conf.worker_send_task_events = True
+    tries: list[dict[str, Any]] = []
+
+    def publish_after_two_failures(*args: Any) -> None:
+        tries.append(args[-1])
+        if len(tries) < 3:
+            raise OperationalError("the broker is down")
+
+    monkeypatch.setattr(celery_lock.events, "_publish", publish_after_two_failures)
+    task = tasks["process"]
+    celery_lock.events.send_task_event_apart(task, "task-lock-lost", "task-1", "w@h", result="r")
+    celery_lock.events.wait_for_events_apart(TIMEOUT)
+    assert not celery_lock.events._senders
+    assert tries == [{"result": "r"}] * 3
+
+
+def test_an_event_the_broker_never_takes_is_given_up_with_a_warning(
+    celery_app: Celery,
+    tasks: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    celery_app.conf.worker_send_task_events = True
+    tries: list[float] = []
+
+    def broker_down(*args: Any) -> None:
+        tries.append(time.monotonic())
+        raise OperationalError("the broker is down")
+
+    monkeypatch.setattr(celery_lock.events, "_publish", broker_down)
+    monkeypatch.setattr(celery_lock.events, "RETRY_SECONDS", 1)
+    caplog.set_level(logging.WARNING, logger="celery_lock.events")
+    celery_lock.events.send_task_event_apart(tasks["process"], "task-lock-lost", "task-1", "w@h")
+    celery_lock.events.wait_for_events_apart(TIMEOUT)
+    assert not celery_lock.events._senders
+    assert len(tries) >= 2
+    assert "could not send task-lock-lost for task task-1 in 1 s of tries" in caplog.text
 
 
 def test_a_lease_counts_its_ttl_from_before_the_acquire(
@@ -1954,7 +2024,9 @@ def test_a_retry_keeps_the_callers_ignore_result(
 
 def test_check_lock_raises_once_a_whole_ttl_passed_unconfirmed(celery_app: Celery) -> None:
     """A body that resumes after a pause longer than its lease finds out at its next
-    check_lock(), before the heartbeat has had a chance to beat and mark the lease lost."""
+    check_lock(), before the heartbeat has had a chance to beat and mark the lease lost; and
+    the loss is told (lock_lost, the log), which the heartbeat, finding the lease let go of by
+    then, would not."""
 
     @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.paused",
                      lock_ttl=0.6)  # fmt: skip
@@ -1966,10 +2038,30 @@ def test_check_lock_raises_once_a_whole_ttl_passed_unconfirmed(celery_app: Celer
         try:
             self.check_lock()
         except LockLostError:
-            return "lost"
+            return f"lost: {self.request.lock_lost}"
         return "still held"
 
-    assert paused(7) == "lost"
+    with recording(signals.lock_lost) as lost:
+        assert paused(7) == "lost: True"
+    assert [entry["lock_key"] for entry in lost] == ["celery-lock:{t.paused:7}:lock"]
+
+
+def test_a_lease_found_gone_at_release_is_told_lost(
+    celery_app: Celery, lock_redis: redis.Redis
+) -> None:
+    """A lease taken from under its body (evicted, a failover that lost it) that the body lets
+    go of before the heartbeat's next beat: the release finds it gone, and the loss is told as
+    the heartbeat would have (the heartbeat skips a lease no longer held)."""
+
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.taken")
+    def taken(self: Any, request_idx: int) -> str:
+        lock_redis.delete(self.request.lock_key)
+        return "done"
+
+    with recording(signals.lock_lost) as lost, recording(signals.lock_released) as released:
+        assert taken.apply((7,)).get() == "done"
+    assert [entry["lock_key"] for entry in lost] == ["celery-lock:{t.taken:7}:lock"]
+    assert [entry["owned"] for entry in released] == [False]
 
 
 def test_a_long_deferred_copy_waits_no_longer_than_the_holders_lease(
