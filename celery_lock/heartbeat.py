@@ -360,15 +360,22 @@ class Heartbeat:
                 if self._releasing.pop(key, None) is None:
                     continue
                 self._trying[key] = release
+            keep = True  # an exception, whatever it is, must not lose the release
             try:
-                give_up_only = self._try_release(store, release, give_up_only=give_up_only)
+                give_up_only, keep = self._try_release(store, release, give_up_only=give_up_only)
             finally:
+                # Out of one and back into the other at once: a settle_releases reading both
+                # between the two would find it in neither.
                 with self._guard:
                     self._trying.pop(key, None)
+                    if keep:
+                        self._releasing[key] = release
 
-    def _try_release(self, store: LockStore, release: _Release, *, give_up_only: bool) -> bool:
+    def _try_release(
+        self, store: LockStore, release: _Release, *, give_up_only: bool
+    ) -> tuple[bool, bool]:
         """One try of :meth:`_release_pending`; return whether the store is still to be only
-        given up on (found unavailable)."""
+        given up on (found unavailable), and whether to keep the release for a later try."""
         lease = release.lease
         if lease.expired:
             # A whole TTL unconfirmed (or found lost): the lock is gone or another's, and no
@@ -380,10 +387,9 @@ class Heartbeat:
                 lease.holder.task_id,
                 "; no done-marker was written" if release.success else "",
             )
-            return give_up_only
+            return give_up_only, False
         if give_up_only:
-            self._keep(release)
-            return give_up_only
+            return give_up_only, True
         try:
             # tried_before: a try of the call that failed may have run, its reply lost.
             owned = store.release(
@@ -393,8 +399,7 @@ class Heartbeat:
                 tried_before=True,
             )
         except LockStoreUnavailableError:
-            self._keep(release)
-            return True  # still unavailable: the others wait for the next beat
+            return True, True  # still unavailable: the others wait for the next beat
         except LockStoreError as exc:
             logger.error(
                 "celery-lock: release of %s for task %s failed: %s",
@@ -402,7 +407,7 @@ class Heartbeat:
                 lease.holder.task_id,
                 exc,
             )
-            return give_up_only
+            return give_up_only, False
         logger.info(
             "celery-lock: released %s for task %s once the lock store answered",
             lease.keys.lock,
@@ -414,7 +419,7 @@ class Heartbeat:
                     release.then(owned)
             except Exception:
                 logger.exception("celery-lock: after releasing %s", lease.keys.lock)
-        return give_up_only
+        return give_up_only, False
 
     def settle_releases(self, patience: float = _EXIT_PATIENCE) -> set[LockStore]:
         """Try the releases left for later (:meth:`release_later`), with their outcome: again

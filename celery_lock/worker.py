@@ -13,6 +13,7 @@ a task binds only when the app finalizes, after ``celery worker`` has read its c
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import re
@@ -25,7 +26,7 @@ import click
 from celery import Celery, bootsteps
 from celery import _state as celery_state
 from celery.app import utils as celery_app_utils
-from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
 from .canvas import STEP_OPTIONS, check_later_steps
 from .checks import bodies_per_process, store_prefixes, warn_at_startup
@@ -40,6 +41,9 @@ __all__ = ["LockStep", "install"]
 logger = logging.getLogger(__name__)
 
 _INSTALLED = "_celery_lock_installed"
+
+#: The apps whose releases left for later this process settles as it exits.
+_SETTLED_AT_EXIT: weakref.WeakSet[Celery] = weakref.WeakSet()
 
 #: Worker command-line option -> the ``app.conf`` setting it overrides for that worker.
 WORKER_OPTIONS = {
@@ -226,19 +230,26 @@ def install(app: Celery) -> Celery:
         heartbeat.stop()
         wait_for_events_apart(5.0)  # a task-lock-lost still on its way
 
-    def settle_releases(**_: Any) -> None:
+    def settle_releases() -> None:
+        running = app_ref()
+        if running is not None and _is_open(running):
+            get_runtime(running).heartbeat.settle_releases()
+
+    def settle_releases_at_exit(**_: Any) -> None:
         # Solo, threads, gevent and eventlet run the bodies in the worker's own process, which
         # sends no worker_process_shutdown: a release its store refused for now is tried as
-        # the worker stops (a prefork worker's main process has none). The heartbeat beats on:
-        # a threads pool's bodies may run to their end after this.
+        # the process exits. At exit, not at worker_shutdown: Celery sends that on a warm
+        # shutdown only, and a threads pool's bodies may still run then (Python joins them
+        # before it runs atexit). A prefork worker's main process has none to try.
         running = app_ref()
-        if running is not None:
-            get_runtime(running).heartbeat.settle_releases()
+        if running is not None and running not in _SETTLED_AT_EXIT:
+            _SETTLED_AT_EXIT.add(running)
+            atexit.register(settle_releases)
 
     uid = f"celery-lock-{id(app)}"
     worker_process_init.connect(start_heartbeat, weak=False, dispatch_uid=f"{uid}-init")
     worker_process_shutdown.connect(stop_heartbeat, weak=False, dispatch_uid=f"{uid}-shutdown")
-    worker_shutdown.connect(settle_releases, weak=False, dispatch_uid=f"{uid}-worker-shutdown")
+    worker_init.connect(settle_releases_at_exit, weak=False, dispatch_uid=f"{uid}-worker-init")
     # Once the app is gone its id may name a new app, whose receivers a dispatch_uid still
     # registered would keep out.
     weakref.finalize(app, _disconnect, uid)
@@ -298,7 +309,7 @@ def _class_send_task(app: Celery) -> Any:
 def _disconnect(uid: str) -> None:
     worker_process_init.disconnect(dispatch_uid=f"{uid}-init")
     worker_process_shutdown.disconnect(dispatch_uid=f"{uid}-shutdown")
-    worker_shutdown.disconnect(dispatch_uid=f"{uid}-worker-shutdown")
+    worker_init.disconnect(dispatch_uid=f"{uid}-worker-init")
 
 
 def _is_open(app: Celery) -> bool:

@@ -852,9 +852,9 @@ def test_a_recycled_pool_process_writes_the_done_marker_once_the_store_is_back(
     worker = spawn_worker("tests.apps.store_app", env, "--max-tasks-per-child", "1", concurrency=1)
     [first_process] = worker.child_pids()
     lock = "celery-lock:{store.work:5}:lock"
-    result = producer.send_task("store.work", args=(5,), kwargs={"seconds": 1.0})
+    result = producer.send_task("store.work", args=(5,), kwargs={"seconds": 3.0})
     wait_for("the lease", lambda: admin.exists(lock), TIMEOUT)
-    dump = fail_saves(admin)
+    dump = fail_saves(admin)  # before the body's end
     assert result.get(timeout=TIMEOUT) == 5  # after its release was refused
     # The process exits now, trying the release: one try, at once, before this change.
     time.sleep(1.5)
@@ -870,25 +870,27 @@ def test_a_recycled_pool_process_writes_the_done_marker_once_the_store_is_back(
 
 @pytest.mark.worker
 @pytest.mark.parametrize("pool", ["solo", "threads"])
+@pytest.mark.parametrize("shutdown", [signal.SIGTERM, signal.SIGQUIT], ids=["warm", "cold"])
 def test_a_worker_running_bodies_itself_writes_the_done_marker_as_it_stops(
     spawn_worker: Callable[..., CeleryWorker],
     store_env: dict[str, str],
     producer: Celery,
     admin: redis.Redis,
     pool: str,
+    shutdown: signal.Signals,
 ) -> None:
     """Solo and threads workers run the bodies in their own process, which gets no
-    ``worker_process_shutdown``: a release the store refused just before a warm shutdown is
-    tried as the worker stops, and the store, repaired meanwhile, gets the done-marker (the
-    release was dropped unsaid, and a later copy ran the request again)."""
+    ``worker_process_shutdown``: a release the store refused just before a warm or a cold
+    shutdown is tried as the process exits, and the store, repaired meanwhile, gets the
+    done-marker (the release was dropped unsaid, and a later copy ran the request again)."""
     env = {**store_env, "STORE_LOCK_TTL": "30"}
     worker = spawn_worker("tests.apps.store_app", env, pool=pool, concurrency=1)
     lock = "celery-lock:{store.work:6}:lock"
-    result = producer.send_task("store.work", args=(6,), kwargs={"seconds": 1.0})
+    result = producer.send_task("store.work", args=(6,), kwargs={"seconds": 3.0})
     wait_for("the lease", lambda: admin.exists(lock), TIMEOUT)
-    dump = fail_saves(admin)
+    dump = fail_saves(admin)  # before the body's end
     assert result.get(timeout=TIMEOUT) == 6  # after its release was refused
-    worker.send_signal(signal.SIGTERM)
+    worker.send_signal(shutdown)
     time.sleep(1.5)  # the worker stops meanwhile, trying the release
     repair_saves(admin, dump)
     worker.wait(TIMEOUT)

@@ -274,6 +274,33 @@ def test_a_heartbeat_thread_blocks_the_signals_again_once_a_receiver_has_run() -
     assert not _blocked_signals(threading.get_native_id()) & SIGNAL_BIT["SIGTERM"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the mask in /proc")
+def test_a_lock_released_receiver_of_a_late_release_runs_with_the_signals_unblocked(
+    lock_url: str,
+) -> None:
+    # A release left for later reports lock_released, on the heartbeat's thread, once it
+    # goes through.
+    store = LockStore.from_url(lock_url)
+    heartbeat = Heartbeat()
+    masks: list[int] = []
+    lease = _granted(store, "late", ttl_ms=60_000)
+    try:
+        heartbeat.release_later(
+            lease,
+            success=True,
+            done_ttl_ms=60_000,
+            then=lambda _: masks.append(_blocked_signals(threading.get_native_id())),
+        )
+        beat = threading.Thread(target=heartbeat._release_pending, args=(store,))
+        _start_apart(beat)  # as the heartbeat's own threads are started
+        beat.join(10.0)
+        [in_receiver] = masks
+        assert not in_receiver & SIGNAL_BIT["SIGTERM"]
+    finally:
+        heartbeat.stop()
+        store.client.close()
+
+
 def test_a_lease_among_longer_ones_is_extended_at_its_own_interval(
     lock_url: str, lock_redis: redis.Redis
 ) -> None:
