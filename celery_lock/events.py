@@ -32,6 +32,7 @@ from celery import Task
 from tenacity import Retrying, stop_after_delay, wait_random_exponential
 
 __all__ = [
+    "MAX_SENDERS",
     "RETRY_SECONDS",
     "TASK_LOCK_LOST",
     "TASK_SKIPPED",
@@ -48,6 +49,10 @@ _senders: set[threading.Thread] = set()
 
 #: Seconds :func:`send_task_event_apart` goes on trying an event the broker did not take.
 RETRY_SECONDS = 60
+
+#: The most threads :func:`send_task_event_apart` keeps publishing at once in a process; an
+#: event beyond them is dropped, with a warning: a broker that hangs holds each one for ever.
+MAX_SENDERS = 16
 
 TASK_SKIPPED = "task-skipped"
 TASK_LOCK_LOST = "task-lock-lost"
@@ -90,9 +95,18 @@ def send_task_event_apart(
     broker: the heartbeat's thread, whose next extends would wait as long as a publish to a
     broker that is down takes to give up (seconds), or a body's. Tried again, with backoff,
     for up to :data:`RETRY_SECONDS`: a lost lease most often comes with a network that cut the
-    broker too (Celery's own events wait in the worker's buffer meanwhile). Where no thread can
-    start, sent here, once."""
+    broker too (Celery's own events wait in the worker's buffer meanwhile). At most
+    :data:`MAX_SENDERS` at once: beyond, the event is dropped with a warning. Where no thread
+    can start, sent here, once."""
     if not hostname or not task_events_enabled(task):
+        return
+    if len(_senders) >= MAX_SENDERS:
+        logger.warning(
+            "celery-lock: dropped %s for task %s: %d events are still on their way to the broker",
+            type_,
+            task_id,
+            MAX_SENDERS,
+        )
         return
 
     def send() -> None:

@@ -487,8 +487,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if lease is not None and lease.expired:
             # A whole TTL unconfirmed: lost, as the heartbeat's next beat would find it; told
             # now (lock_lost, task-lock-lost, the log), for the body, stopping here, may let go
-            # of it before that beat, and a lease no longer held is not reported.
-            lease.mark_lost()
+            # of it before that beat, and a lease no longer held is not reported. Not a lease
+            # the task released already (self.replace hands it on; no heartbeat extends it).
+            if not lease.released:
+                lease.mark_lost()
             lost = True
         if lost:
             raise LockLostError(getattr(request, "lock_key", ""))

@@ -26,7 +26,12 @@ import click
 from celery import Celery, bootsteps
 from celery import _state as celery_state
 from celery.app import utils as celery_app_utils
-from celery.signals import worker_init, worker_process_init, worker_process_shutdown
+from celery.signals import (
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_shutdown,
+)
 
 from .canvas import STEP_OPTIONS, check_later_steps
 from .checks import bodies_per_process, store_prefixes, warn_at_startup
@@ -230,7 +235,7 @@ def install(app: Celery) -> Celery:
         heartbeat.stop()
         wait_for_events_apart(5.0)  # a task-lock-lost still on its way
 
-    def settle_releases() -> None:
+    def settle_releases(**_: Any) -> None:
         running = app_ref()
         if running is not None and _is_open(running):
             get_runtime(running).heartbeat.settle_releases()
@@ -238,9 +243,11 @@ def install(app: Celery) -> Celery:
     def settle_releases_at_exit(**_: Any) -> None:
         # Solo, threads, gevent and eventlet run the bodies in the worker's own process, which
         # sends no worker_process_shutdown: a release its store refused for now is tried as
-        # the process exits. At exit, not at worker_shutdown: Celery sends that on a warm
-        # shutdown only, and a threads pool's bodies may still run then (Python joins them
-        # before it runs atexit). A prefork worker's main process has none to try.
+        # the process exits (after Python has joined a threads pool's bodies), and at
+        # worker_shutdown too. Celery sends that on a warm shutdown only, but a restart
+        # (SIGHUP) execs the new worker from an atexit hook of its own, which runs before this
+        # one. Settled twice, the second finds nothing. A prefork worker's main process has
+        # none to try.
         running = app_ref()
         if running is not None and running not in _SETTLED_AT_EXIT:
             _SETTLED_AT_EXIT.add(running)
@@ -250,6 +257,7 @@ def install(app: Celery) -> Celery:
     worker_process_init.connect(start_heartbeat, weak=False, dispatch_uid=f"{uid}-init")
     worker_process_shutdown.connect(stop_heartbeat, weak=False, dispatch_uid=f"{uid}-shutdown")
     worker_init.connect(settle_releases_at_exit, weak=False, dispatch_uid=f"{uid}-worker-init")
+    worker_shutdown.connect(settle_releases, weak=False, dispatch_uid=f"{uid}-worker-shutdown")
     # Once the app is gone its id may name a new app, whose receivers a dispatch_uid still
     # registered would keep out.
     weakref.finalize(app, _disconnect, uid)
@@ -310,6 +318,7 @@ def _disconnect(uid: str) -> None:
     worker_process_init.disconnect(dispatch_uid=f"{uid}-init")
     worker_process_shutdown.disconnect(dispatch_uid=f"{uid}-shutdown")
     worker_init.disconnect(dispatch_uid=f"{uid}-worker-init")
+    worker_shutdown.disconnect(dispatch_uid=f"{uid}-worker-shutdown")
 
 
 def _is_open(app: Celery) -> bool:

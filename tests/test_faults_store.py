@@ -870,7 +870,9 @@ def test_a_recycled_pool_process_writes_the_done_marker_once_the_store_is_back(
 
 @pytest.mark.worker
 @pytest.mark.parametrize("pool", ["solo", "threads"])
-@pytest.mark.parametrize("shutdown", [signal.SIGTERM, signal.SIGQUIT], ids=["warm", "cold"])
+@pytest.mark.parametrize(
+    "shutdown", [signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP], ids=["warm", "cold", "restart"]
+)
 def test_a_worker_running_bodies_itself_writes_the_done_marker_as_it_stops(
     spawn_worker: Callable[..., CeleryWorker],
     store_env: dict[str, str],
@@ -881,8 +883,9 @@ def test_a_worker_running_bodies_itself_writes_the_done_marker_as_it_stops(
 ) -> None:
     """Solo and threads workers run the bodies in their own process, which gets no
     ``worker_process_shutdown``: a release the store refused just before a warm or a cold
-    shutdown is tried as the process exits, and the store, repaired meanwhile, gets the
-    done-marker (the release was dropped unsaid, and a later copy ran the request again)."""
+    shutdown, or a restart (which execs the new worker), is tried as the worker stops, and the
+    store, repaired meanwhile, gets the done-marker (the release was dropped unsaid, and a
+    later copy ran the request again)."""
     env = {**store_env, "STORE_LOCK_TTL": "30"}
     worker = spawn_worker("tests.apps.store_app", env, pool=pool, concurrency=1)
     lock = "celery-lock:{store.work:6}:lock"
@@ -893,8 +896,12 @@ def test_a_worker_running_bodies_itself_writes_the_done_marker_as_it_stops(
     worker.send_signal(shutdown)
     time.sleep(1.5)  # the worker stops meanwhile, trying the release
     repair_saves(admin, dump)
-    worker.wait(TIMEOUT)
-    assert admin.get("celery-lock:{store.work:6}:done:store.work") == result.id.encode()
+    done = "celery-lock:{store.work:6}:done:store.work"
+    if shutdown == signal.SIGHUP:
+        wait_for("the done-marker", lambda: admin.exists(done), TIMEOUT)  # it runs on, anew
+    else:
+        worker.wait(TIMEOUT)
+    assert admin.get(done) == result.id.encode()
     assert not admin.exists(lock)
     assert "once the lock store answered" in worker.log()
 

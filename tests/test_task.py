@@ -1308,6 +1308,33 @@ def test_an_event_the_broker_never_takes_is_given_up_with_a_warning(
     assert "could not send task-lock-lost for task task-1 in 1 s of tries" in caplog.text
 
 
+def test_events_beyond_the_senders_a_process_keeps_are_dropped_with_a_warning(
+    celery_app: Celery,
+    tasks: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A broker that hangs holds each sender for ever: with a skipped copy's event sent apart,
+    # a storm of them piled up threads without end (a review: 2,000 in 10 s).
+    celery_app.conf.worker_send_task_events = True
+    give_up = threading.Event()
+    monkeypatch.setattr(celery_lock.events, "_publish", lambda *args: give_up.wait(TIMEOUT))
+    monkeypatch.setattr(celery_lock.events, "MAX_SENDERS", 2)
+    caplog.set_level(logging.WARNING, logger="celery_lock.events")
+    try:
+        for task_id in ("task-1", "task-2", "task-3"):
+            celery_lock.events.send_task_event_apart(
+                tasks["process"], "task-skipped", task_id, "w@h"
+            )
+        assert len(celery_lock.events._senders) == 2
+        assert "dropped task-skipped for task task-3: 2 events are still on their way" in (
+            caplog.text
+        )
+    finally:
+        give_up.set()
+        celery_lock.events.wait_for_events_apart(TIMEOUT)
+
+
 def test_a_lease_counts_its_ttl_from_before_the_acquire(
     celery_app: Celery, tasks: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2044,6 +2071,26 @@ def test_check_lock_raises_once_a_whole_ttl_passed_unconfirmed(celery_app: Celer
     with recording(signals.lock_lost) as lost:
         assert paused(7) == "lost: True"
     assert [entry["lock_key"] for entry in lost] == ["celery-lock:{t.paused:7}:lock"]
+
+
+def test_check_lock_on_a_lease_the_task_let_go_of_tells_no_loss(celery_app: Celery) -> None:
+    """A lease the task released already (handed on by self.replace, the body going on) is no
+    longer extended: a whole TTL later it looks expired, and is no loss to tell."""
+
+    @celery_app.task(base=LockedTask, bind=True, lock_key="request_idx", name="t.let_go",
+                     lock_ttl=0.6)  # fmt: skip
+    def let_go(self: Any, request_idx: int) -> str:
+        lease = self.request.lock_lease
+        get_runtime(self.app).heartbeat.discard(lease)
+        lease.released = True  # as a hand-on's release marks it
+        time.sleep(0.7)
+        with contextlib.suppress(LockLostError):
+            self.check_lock()
+        return "went on"
+
+    with recording(signals.lock_lost) as lost:
+        assert let_go(7) == "went on"
+    assert lost == []
 
 
 def test_a_lease_found_gone_at_release_is_told_lost(
