@@ -24,12 +24,15 @@ calls.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from time import monotonic
 from typing import Any
 
 from celery import Task
 from tenacity import Retrying, stop_after_delay, wait_random_exponential
+
+from .heartbeat import start_apart
 
 __all__ = [
     "MAX_SENDERS",
@@ -46,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 #: The threads of :func:`send_task_event_apart` still publishing.
 _senders: set[threading.Thread] = set()
+if hasattr(os, "register_at_fork"):
+    # A process forked meanwhile has none of them running.
+    os.register_at_fork(after_in_child=_senders.clear)
 
 #: Seconds :func:`send_task_event_apart` goes on trying an event the broker did not take.
 RETRY_SECONDS = 60
@@ -132,7 +138,7 @@ def send_task_event_apart(
     sender = threading.Thread(target=send, name="celery-lock-event", daemon=True)
     _senders.add(sender)
     try:
-        sender.start()
+        start_apart(sender)  # signals blocked: it may wait on the broker a minute, or for ever
     except RuntimeError:  # "can't start new thread": late rather than never
         _senders.discard(sender)
         send_task_event(task, type_, task_id, hostname, **fields)

@@ -65,9 +65,10 @@ _SYNCHRONOUS = {"SIGBUS", "SIGFPE", "SIGILL", "SIGSEGV", "SIGSYS", "SIGTRAP"}
 _SENT = frozenset(s for s in signal.valid_signals() if getattr(s, "name", "") not in _SYNCHRONOUS)
 
 
-def _start_apart(thread: threading.Thread) -> None:
-    """Start ``thread``, one of the heartbeat's, blocking from its first instruction every
-    signal a process may be sent (it inherits the mask it is started with).
+def start_apart(thread: threading.Thread) -> None:
+    """Start ``thread``, one of the heartbeat's (or another of celery-lock's own, which sends an
+    event), blocking from its first instruction every signal a process may be sent (it inherits
+    the mask it is started with).
 
     So that the kernel never hands such a signal to it. The kernel hands a process-directed
     signal to another thread where the main thread already has one pending: a cold shutdown
@@ -126,6 +127,8 @@ class Heartbeat:
         self._releasing: dict[int, _Release] = {}
         #: Releases taken out of ``_releasing`` while a thread tries them.
         self._trying: dict[int, _Release] = {}
+        #: Releases being tried that settle_releases gave up on (by their lease's id).
+        self._given_up: set[int] = set()
         #: What the thread waits while no lease is held: the shortest interval it has seen.
         self._idle_interval = default_interval
         #: What the thread waits now: only a lease that needs a shorter wait wakes it.
@@ -162,7 +165,7 @@ class Heartbeat:
             )
             self._alive = True
             try:
-                _start_apart(self._thread)
+                start_apart(self._thread)
             except BaseException:
                 # At the thread limit ("can't start new thread"): not running, so that the next
                 # lease tries again rather than trust a thread that never began.
@@ -305,7 +308,7 @@ class Heartbeat:
                 )
                 self._in_flight[store] = thread
             try:
-                _start_apart(thread)
+                start_apart(thread)
             except RuntimeError:  # "can't start new thread": a process at its limit (pids.max)
                 with self._guard:
                     self._in_flight.pop(store, None)
@@ -368,7 +371,7 @@ class Heartbeat:
                 # between the two would find it in neither.
                 with self._guard:
                     self._trying.pop(key, None)
-                    if keep:
+                    if keep and key not in self._given_up:
                         self._releasing[key] = release
 
     def _try_release(
@@ -424,8 +427,8 @@ class Heartbeat:
     def settle_releases(self, patience: float = _EXIT_PATIENCE) -> set[LockStore]:
         """Try the releases left for later (:meth:`release_later`), with their outcome: again
         and again for up to ``patience`` seconds while one of a run that succeeded is left (its
-        done-marker, given up, is lost), else once. Log and forget those still left, and return
-        their stores (found unavailable).
+        done-marker, given up, is lost), else once. Log and forget those still left, a try still
+        on its way included, and return their stores (found unavailable).
 
         For a process about to end. The heartbeat may go on beating meanwhile (a threads pool's
         bodies may still run): a release its thread is trying counts as left.
@@ -442,10 +445,13 @@ class Heartbeat:
             if now >= give_up_at or not any(waiting):
                 break
             time.sleep(min(_EXIT_RETRY_PAUSE, give_up_at - now))
-        for release in left:
-            with self._guard:
-                if self._releasing.pop(id(release.lease), None) is None:
-                    continue  # the heartbeat's thread tried it meanwhile
+        with self._guard:
+            # A try still on its way (a store that hangs) is given up too: its release is not
+            # put back for a later try, nor waited on again by a second settle.
+            self._given_up.update(id(release.lease) for release in tried)
+            given_up = [r for r in left if self._releasing.pop(id(r.lease), None) is not None]
+        # (Those no longer waiting were taken by the heartbeat's thread meanwhile.)
+        for release in given_up + tried:
             lease = release.lease
             logger.log(
                 logging.ERROR if release.success else logging.WARNING,
@@ -457,7 +463,7 @@ class Heartbeat:
                 if release.success
                 else "; the lease lapses by its TTL",
             )
-        return {release.lease.store for release in left}
+        return {release.lease.store for release in left + tried}
 
     def _keep(self, release: _Release) -> None:
         with self._guard:
@@ -481,10 +487,10 @@ class Heartbeat:
 
         For a process about to die with bodies unfinished: where their messages come back (a
         shutdown with late acks), they run at once instead of waiting a whole TTL. The releases
-        left for later are settled first (:meth:`settle_releases`). A store found unavailable
-        is not asked again: the rest of its leases are left to lapse, so that a store that is
-        down or hangs costs the shutdown one try's time (up to two socket timeouts), not one per
-        lease (a threads or gevent pool holds many).
+        left for later are settled first (:meth:`settle_releases`, up to ``patience`` seconds).
+        A store found unavailable is not asked again: the rest of its leases are left to lapse,
+        so that a store that is down or hangs costs the shutdown one try's time (up to two
+        socket timeouts) more, not one per lease (a threads or gevent pool holds many).
         """
         unavailable = self.settle_releases(patience)
         released = 0

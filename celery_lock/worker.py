@@ -239,6 +239,7 @@ def install(app: Celery) -> Celery:
         running = app_ref()
         if running is not None and _is_open(running):
             get_runtime(running).heartbeat.settle_releases()
+            wait_for_events_apart(5.0)  # a task-skipped or task-lock-lost still on its way
 
     def settle_releases_at_exit(**_: Any) -> None:
         # Solo, threads, gevent and eventlet run the bodies in the worker's own process, which

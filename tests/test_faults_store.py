@@ -796,6 +796,39 @@ def test_settling_waits_for_a_release_the_heartbeat_thread_is_trying(
     assert logs.messages(logging.WARNING, "gave up") == []
 
 
+def test_settling_gives_up_a_try_still_on_its_way_and_says_so(
+    store: LockStore, logs: Records, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A try of the heartbeat's thread on a store that hangs, still on its way when the
+    patience is up, is given up with the others, said and not put back: a second settle (at
+    worker_shutdown, then at exit) waited for it all over again, and a restart lost it unsaid."""
+    token = new_token()
+    fence = granted(store.acquire(KEYS, token, 600_000, HOLDER, FENCE_TTL_MS))
+    lease = Lease(store, KEYS, token, 600_000, fence, HOLDER)
+    heartbeat = Heartbeat(default_interval=600)
+    answer = threading.Event()
+
+    def hangs(lease: Lease, **options: Any) -> bool | None:
+        answer.wait(TIMEOUT)
+        raise LockStoreUnavailableError("the store hung")
+
+    monkeypatch.setattr(store, "release", hangs)
+    heartbeat.release_later(lease, success=True, done_ttl_ms=60_000)
+    beat = threading.Thread(target=heartbeat._release_pending, args=(store,))
+    beat.start()  # as the heartbeat's thread tries it
+    try:
+        wait_for("the try on its way", lambda: heartbeat._trying, TIMEOUT)
+        assert heartbeat.settle_releases(patience=0.3) == {store}
+        [gave_up] = logs.messages(logging.ERROR, "gave up")
+        assert "no done-marker was written" in gave_up
+    finally:
+        answer.set()
+        beat.join(TIMEOUT)
+        heartbeat.stop()
+    assert heartbeat.settle_releases(patience=30) == set()  # not put back: nothing to wait on
+    assert len(logs.messages(logging.ERROR, "gave up")) == 1
+
+
 @pytest.mark.parametrize(
     "left_for_later", [0, 1, 2], ids=["held", "and-left-for-later", "and-two-left-for-later"]
 )

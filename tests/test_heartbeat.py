@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +19,8 @@ import pytest
 import redis
 from conftest import granted, wait_for
 
-from celery_lock.heartbeat import Heartbeat, _signals_unblocked, _start_apart
+import celery_lock.events
+from celery_lock.heartbeat import Heartbeat, _signals_unblocked, start_apart
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, new_token
 from celery_lock.store import LockStore
@@ -267,7 +269,7 @@ def test_a_heartbeat_thread_blocks_the_signals_again_once_a_receiver_has_run() -
         masks.append(_blocked_signals(threading.get_native_id()))
 
     thread = threading.Thread(target=receiver_on_a_heartbeat_thread)
-    _start_apart(thread)
+    start_apart(thread)
     thread.join(10.0)
     assert [bool(mask & SIGNAL_BIT["SIGTERM"]) for mask in masks] == [True, False, True]
     assert masks[0] == masks[2]
@@ -292,13 +294,32 @@ def test_a_lock_released_receiver_of_a_late_release_runs_with_the_signals_unbloc
             then=lambda _: masks.append(_blocked_signals(threading.get_native_id())),
         )
         beat = threading.Thread(target=heartbeat._release_pending, args=(store,))
-        _start_apart(beat)  # as the heartbeat's own threads are started
+        start_apart(beat)  # as the heartbeat's own threads are started
         beat.join(10.0)
         [in_receiver] = masks
         assert not in_receiver & SIGNAL_BIT["SIGTERM"]
     finally:
         heartbeat.stop()
         store.client.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the mask in /proc")
+def test_an_event_sender_thread_blocks_the_signals(monkeypatch: pytest.MonkeyPatch) -> None:
+    # It may wait on the broker a minute, or for ever: handed a process-directed signal, it
+    # would keep it from the main thread as the heartbeat's thread did.
+    masks: list[int] = []
+    monkeypatch.setattr(
+        celery_lock.events,
+        "_publish",
+        lambda *args: masks.append(_blocked_signals(threading.get_native_id())),
+    )
+    conf = types.SimpleNamespace(worker_send_task_events=True)
+    task = types.SimpleNamespace(app=types.SimpleNamespace(conf=conf), send_events=True)
+    celery_lock.events.send_task_event_apart(task, "task-lock-lost", "task-1", "w@h")  # type: ignore[arg-type]
+    celery_lock.events.wait_for_events_apart(10.0)
+    [in_sender] = masks
+    assert in_sender & SIGNAL_BIT["SIGTERM"]
+    assert not _blocked_signals(threading.get_native_id()) & SIGNAL_BIT["SIGTERM"]
 
 
 def test_a_lease_among_longer_ones_is_extended_at_its_own_interval(
