@@ -1285,13 +1285,19 @@ def test_an_event_sent_apart_is_tried_again_until_the_broker_takes_it(
     assert tries == [{"result": "r"}] * 3
 
 
-def test_an_event_the_broker_never_takes_is_given_up_with_a_warning(
-    celery_app: Celery,
-    tasks: dict[str, Any],
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+@pytest.fixture
+def event_warnings(
+    celery_app: Celery, caplog: pytest.LogCaptureFixture
+) -> pytest.LogCaptureFixture:
+    """Task events turned on, and the warnings of celery_lock.events captured."""
     celery_app.conf.worker_send_task_events = True
+    caplog.set_level(logging.WARNING, logger="celery_lock.events")
+    return caplog
+
+
+def test_an_event_the_broker_never_takes_is_given_up_with_a_warning(
+    tasks: dict[str, Any], monkeypatch: pytest.MonkeyPatch, event_warnings: pytest.LogCaptureFixture
+) -> None:
     tries: list[float] = []
 
     def broker_down(*args: Any) -> None:
@@ -1300,27 +1306,21 @@ def test_an_event_the_broker_never_takes_is_given_up_with_a_warning(
 
     monkeypatch.setattr(celery_lock.events, "_publish", broker_down)
     monkeypatch.setattr(celery_lock.events, "RETRY_SECONDS", 1)
-    caplog.set_level(logging.WARNING, logger="celery_lock.events")
     celery_lock.events.send_task_event_apart(tasks["process"], "task-lock-lost", "task-1", "w@h")
     celery_lock.events.wait_for_events_apart(TIMEOUT)
     assert not celery_lock.events._senders
     assert len(tries) >= 2
-    assert "could not send task-lock-lost for task task-1 in 1 s of tries" in caplog.text
+    assert "could not send task-lock-lost for task task-1 in 1 s of tries" in event_warnings.text
 
 
 def test_events_beyond_the_senders_a_process_keeps_are_dropped_with_a_warning(
-    celery_app: Celery,
-    tasks: dict[str, Any],
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
+    tasks: dict[str, Any], monkeypatch: pytest.MonkeyPatch, event_warnings: pytest.LogCaptureFixture
 ) -> None:
     # A broker that hangs holds each sender for ever: with a skipped copy's event sent apart,
     # a storm of them piled up threads without end (a review: 2,000 in 10 s).
-    celery_app.conf.worker_send_task_events = True
     give_up = threading.Event()
     monkeypatch.setattr(celery_lock.events, "_publish", lambda *args: give_up.wait(TIMEOUT))
     monkeypatch.setattr(celery_lock.events, "MAX_SENDERS", 2)
-    caplog.set_level(logging.WARNING, logger="celery_lock.events")
     try:
         for task_id in ("task-1", "task-2", "task-3"):
             celery_lock.events.send_task_event_apart(
@@ -1328,7 +1328,7 @@ def test_events_beyond_the_senders_a_process_keeps_are_dropped_with_a_warning(
             )
         assert len(celery_lock.events._senders) == 2
         assert "dropped task-skipped for task task-3: 2 events are still on their way" in (
-            caplog.text
+            event_warnings.text
         )
     finally:
         give_up.set()
