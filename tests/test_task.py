@@ -421,13 +421,22 @@ def test_follow_raises_when_a_done_holder_left_no_result(
     assert (caught.value.task_id, caught.value.lock_name) == ("gone-id", copy.info["lock_key"])
 
 
+def handed_on(
+    store: LockStore, task: Any, task_id: str, *, depth: int, done_ttl_ms: int = 86_400_000
+) -> Lease:
+    """Request 7 held by ``task_id`` and released as its body's ``self.replace`` releases it:
+    the done-marker names a hand-on to a replacement at ``depth``, not known to be sent."""
+    lease = hold(store, task, 7, task_id)
+    lease.handed_on = HandOn(depth, task_id)
+    assert store.release(lease, success=True, done_ttl_ms=done_ttl_ms)
+    return lease
+
+
 def test_follow_waits_past_its_grace_for_the_replacement_of_a_holder_that_handed_on(
     worker: Any, tasks: dict[str, Any], store: LockStore, celery_app: Celery
 ) -> None:
-    lease = hold(store, tasks["process"], 7, "handing-id")
     # Its body called self.replace: the replacement stores the result under its task id.
-    lease.handed_on = HandOn(0, "handing-id")
-    store.release(lease, success=True, done_ttl_ms=60_000)
+    handed_on(store, tasks["process"], "handing-id", depth=0, done_ttl_ms=60_000)
     copy = skipped_copy(tasks["process"], 7, "done")
     assert (copy.info["holder"], copy.info["handed_on_at"]) == ("handing-id", 0)
     with pytest.raises(CeleryTimeoutError):
@@ -582,9 +591,7 @@ def test_a_fresh_unsent_hand_on_marker_of_its_own_defers_the_redelivery_until_it
     # A marker written less than a lease TTL ago may be a live run's, still sending: a
     # visibility-timeout redelivery of its message then must not rerun the body beside it.
     caplog.set_level(logging.WARNING, logger="celery_lock.task")
-    lease = hold(store, tasks["handoff"], 7, "sending-id")
-    lease.handed_on = HandOn(0, "sending-id")
-    assert store.release(lease, success=True, done_ttl_ms=86_400_000)
+    lease = handed_on(store, tasks["handoff"], "sending-id", depth=0)
     with recording(signals.lock_deferred) as deferred:
         tasks["handoff"].apply_async((7,), task_id="sending-id")
         wait_for("the redelivery to be deferred", lambda: deferred, TIMEOUT)
@@ -609,9 +616,7 @@ def test_an_unsent_hand_on_marker_its_replacement_left_acks_a_redelivery_of_the_
     # its own message's to withdraw. The original message (depth 0), delivered again, ran its
     # part already and is acked unrun, the marker left.
     caplog.set_level(logging.INFO, logger="celery_lock.task")
-    lease = hold(store, tasks["handoff"], 7, "sending-id")
-    lease.handed_on = HandOn(1, "sending-id")
-    assert store.release(lease, success=True, done_ttl_ms=86_400_000)
+    lease = handed_on(store, tasks["handoff"], "sending-id", depth=1)
     lock_redis.pexpire(lease.keys.done, 60_000)  # older than a lease TTL: no live run's
     marker = lock_redis.get(lease.keys.done)
     tasks["handoff"].apply_async((7,), task_id="sending-id")
