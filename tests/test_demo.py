@@ -122,7 +122,10 @@ def test_unreachable_redis_url_falls_back_to_a_private_server() -> None:
 
 @pytest.mark.worker
 def test_log_of_a_failed_run_is_kept_after_the_demo_exits(tmp_path: Path) -> None:
-    args = ["--requests", "5", "--copies", "2", "--timeout", "0.001", "--embedded"]
+    # Bodies far longer than the timeout: failed however fast the machine publishes (with a
+    # timeout of 0.001 s and quick bodies, a slow publish let the worker settle every copy).
+    args = ["--requests", "5", "--copies", "2", "--work-seconds", "30", "--timeout", "1"]
+    args.append("--embedded")
     proc = run_demo(*args, env=demo_env(TMPDIR=str(tmp_path)))
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output

@@ -599,8 +599,9 @@ def test_a_fresh_unsent_hand_on_marker_of_its_own_defers_the_redelivery_until_it
         assert {d["reason"] for d in deferred} == {"redelivered"}
         # Once it is older than a lease TTL, its run is dead: the next try reruns the request.
         lock_redis.pexpire(lease.keys.done, 60_000)
-        wait_for("the rerun", lambda: calls.count("t.process") == 1, TIMEOUT)
-    assert calls.count("t.handoff") == 1
+        # Waited for by the body's own record: a t.process message an earlier test's worker
+        # left on the broker can run here too (seen once, on a loaded machine).
+        wait_for("the rerun", lambda: calls.count("t.handoff") == 1, TIMEOUT)
     assert "when its run ended, its replacement not known to be sent" in caplog.text
 
 
