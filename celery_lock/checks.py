@@ -250,7 +250,11 @@ def unknown_settings(conf: Mapping[str, Any]) -> list[str]:
         name = name.removeprefix("celery_") if namespaced else name
         if name.startswith("celery_lock_") and name not in known:
             meant = difflib.get_close_matches(name, known, n=1)
-            spelled = [f"CELERY_{m.upper()}" if namespaced else m for m in meant]
+            # Spelled as the key was: Django settings keep only upper-case names.
+            upper = str(key).isupper()
+            spelled = [
+                f"CELERY_{m.upper()}" if namespaced else m.upper() if upper else m for m in meant
+            ]
             hint = f" (did you mean {spelled[0]}?)" if spelled else ""
             found.append(
                 f"app.conf has {key}, which is no celery-lock setting, and nothing reads it{hint}"

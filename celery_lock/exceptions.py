@@ -148,14 +148,27 @@ class DuplicateTaskError(CeleryLockError):
 
 
 class LockContendedError(CeleryLockError):
-    """The request is held and this call cannot be deferred (eager mode or a direct call)."""
+    """The request is held and this call cannot be deferred (eager mode or a direct call).
 
-    def __init__(self, lock_name: str, holder: str = "") -> None:
-        super().__init__(lock_name, holder)
+    ``enclosing``: the holder is a call this one was made inside, in the same thread (an eager
+    or direct call from the body of a task holding the same request), which only ends after
+    this call does.
+    """
+
+    def __init__(self, lock_name: str, holder: str = "", enclosing: bool = False) -> None:
+        super().__init__(lock_name, holder, enclosing)
         self.lock_name = lock_name
         self.holder = holder
+        self.enclosing = enclosing
 
     def __str__(self) -> str:
+        if self.enclosing:
+            return (
+                f"request {self.lock_name} is held by task {self.holder}, which this call was "
+                f"made inside (an eager or direct call in its body); it cannot wait for its own "
+                f"caller: send it from a worker's task (test such a chain with a worker), or "
+                f"after the body returns"
+            )
         return f"request {self.lock_name} is held by task {self.holder}; cannot defer this call"
 
 

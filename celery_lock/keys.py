@@ -453,6 +453,38 @@ def _named(text: str) -> str:
     return text
 
 
+#: The kinds of parameter a call can fill by position and that have a name.
+NAMED_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _check_takes_no_self(
+    task_name: str, signature: inspect.Signature, function: Callable[..., Any]
+) -> None:
+    """Refuse a ``lock_key`` callable whose first parameter is ``self``: it gets the call's
+    arguments only, so ``self`` would take the first of them, and every call would fail at
+    publish with a ``TypeError`` that names an argument the call did pass.
+
+    Raises:
+        LockKeyError: the callable takes ``self`` first and the task's first parameter is not
+            named ``self`` too.
+    """
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature
+        return
+    first = parameters[0] if parameters else None
+    if first is None or first.name != "self" or first.kind not in NAMED_POSITIONAL:
+        return
+    if next(iter(signature.parameters), None) == "self":  # mirrors the task's own arguments
+        return
+    raise LockKeyError(
+        f"lock_key callable {_describe(function)} takes self first, but it is called with the "
+        f"call's arguments only, not the task: take self out (a @staticmethod, a function or "
+        f"a lambda of the arguments)",
+        task_name=task_name,
+    )
+
+
 def _describe(function: Callable[..., Any]) -> str:
     """A callable's name for an error message (``key_of``, ``<lambda>``)."""
     return getattr(function, "__qualname__", None) or repr(function)
@@ -618,7 +650,9 @@ class KeyDeriver:
                     f"argument of {task_name}{signature}{hint}",
                     task_name=task_name,
                 )
-        elif spec is not None and not callable(spec):
+        elif callable(spec):
+            _check_takes_no_self(task_name, signature, spec)
+        elif spec is not None:
             # A list of names, as celery-once's keys=[...] and celery-singleton's unique_on=[...]
             # take them: what a template of those names would key.
             names = list(spec) if isinstance(spec, (list, tuple)) else []
@@ -735,8 +769,11 @@ class KeyDeriver:
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
+            hint = ""
+            if next(iter(self.signature.parameters), None) == "self":
+                hint = " (the task's first parameter is named self: was bind=True forgotten?)"
             raise LockKeyError(
-                f"cannot derive the request key: {exc}", task_name=self.task_name
+                f"cannot derive the request key: {exc}{hint}", task_name=self.task_name
             ) from exc
         bound.apply_defaults()
         arguments = dict(bound.arguments)

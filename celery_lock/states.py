@@ -19,6 +19,8 @@ from typing import Any
 
 from celery import Task
 
+from .request import SkippedCopy
+
 __all__ = ["SKIPPED", "is_skipped", "skipped_marker"]
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,11 @@ def skipped_marker(
 
 
 def is_skipped(value: Any) -> bool:
-    """Whether ``value`` is the result or meta of a skipped copy."""
+    """Whether ``value`` is the result or meta of a skipped copy: the marker dict, or the
+    :class:`~celery_lock.request.SkippedCopy` an eager call's result holds (state ``IGNORED``).
+    """
+    if isinstance(value, SkippedCopy):
+        return True
     return isinstance(value, dict) and value.get(_MARKER) == "skipped"
 
 

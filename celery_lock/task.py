@@ -83,7 +83,7 @@ from .exceptions import (
     LockStoreUnavailableError,
 )
 from .heartbeat import Heartbeat, green_pool
-from .keys import KeyDeriver, LockKeySpec, RequestKeys
+from .keys import NAMED_POSITIONAL, KeyDeriver, LockKeySpec, RequestKeys
 from .lease import Acquired, Done, HandOn, Held, Holder, Lease, new_token
 from .request import EXPIRED_FIELD, ExpiredCopy, SkippedCopy
 from .runtime import get_runtime
@@ -146,9 +146,6 @@ class _Ignored:
         self.exception = exception
 
 
-_NAMED_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
-
 def _run_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
     """The signature callers use: ``run``'s parameters, without ``self`` for a bound task.
 
@@ -170,7 +167,7 @@ def _run_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
     parameters = list(signature.parameters.values())
     # ``self`` is the first parameter, unless that is ``*args`` (a wrapper written without
     # functools.wraps), which takes ``self`` and the caller's positional arguments alike.
-    if parameters and parameters[0].kind in _NAMED_POSITIONAL:
+    if parameters and parameters[0].kind in NAMED_POSITIONAL:
         parameters = parameters[1:]
     return signature.replace(parameters=parameters)
 
@@ -200,6 +197,47 @@ def _ignores_result(task: Task[Any, Any], request: Any) -> bool:
     if _get_actual_ignore_result is not None:
         return bool(_get_actual_ignore_result(task, request))
     return bool(task.ignore_result or getattr(request, "ignore_result", False))
+
+
+def _made_inside(holder: str, request: Any) -> bool:
+    """Whether ``request`` is a call made inside the running call of task id ``holder``: a
+    request below it on a task's request stack in this thread (an eager or direct call)."""
+    if not holder:
+        return False
+    return any(
+        running is not request and running.id == holder
+        for task in _task_stack.stack
+        for running in task.request_stack.stack
+    )
+
+
+def _check_no_call_hidden(cls: type[LockedTask]) -> None:
+    """Refuse a base after :class:`LockedTask` in ``cls``'s MRO that defines ``__call__``.
+
+    ``LockedTask.__call__`` runs the body itself, inside the lease, and calls no ``__call__``
+    after its own: a base class of the user's (tracing, a tenant's context) placed after it,
+    as in ``class T(LockedTask, MyBase)``, would never run, and say nothing.
+
+    Raises:
+        ConfigurationError: naming the base and the order that works.
+    """
+    mro = cls.__mro__
+    for klass in mro[mro.index(LockedTask) + 1 :]:
+        if klass is Task:
+            return
+        if "__call__" in klass.__dict__:
+            # The base the class names, which may have inherited the __call__.
+            named = next(
+                (b for b in cls.__bases__ if klass in b.__mro__ and LockedTask not in b.__mro__),
+                klass,
+            )
+            raise ConfigurationError(
+                f"{cls.__module__}.{cls.__qualname__}",
+                f"{klass.__name__}.__call__ would never run: LockedTask comes before it "
+                f"and runs the body itself; list {named.__name__} first "
+                f"(class {cls.__name__}({named.__name__}, LockedTask)), so that its "
+                f"__call__ runs and calls super().__call__",
+            )
 
 
 def _check_scope(task_name: str, scope: Any) -> None:
@@ -307,6 +345,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Check the lock options when the task class is created (decoration or finalize)."""
         super().__init_subclass__(**kwargs)
+        _check_no_call_hidden(cls)
         cls._check_lock_options()
 
     @classmethod
@@ -1177,7 +1216,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if request.is_eager or request.called_directly:
             if exc is not None:
                 raise exc
-            raise LockContendedError(keys.lock, holder)
+            raise LockContendedError(keys.lock, holder, _made_inside(holder, request))
         headers = {
             name: value
             for name, value in (request.headers or {}).items()

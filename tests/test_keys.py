@@ -799,6 +799,55 @@ def test_callable_key_reading_a_keyword_of_a_positional_call_is_refused() -> Non
         by_keyword.request_keys((7,), {})
 
 
+def test_a_lock_key_method_taking_self_is_refused_at_class_creation() -> None:
+    # Written as a method on a subclass: called with the call's arguments only, self would take
+    # order_id, and every publish would fail saying order_id was missing.
+    class ByOrder(LockedTask):
+        def lock_key(self, order_id: Any, **_: Any) -> Any:  # type: ignore[override]
+            return order_id
+
+    with pytest.raises(
+        LockKeyError,
+        match=r"keys_tests\.by_order: lock_key callable .*ByOrder\.lock_key takes self first, "
+        r"but it is called with the call's arguments only, not the task",
+    ):
+
+        @app.task(name="keys_tests.by_order", base=ByOrder, shared=False, lazy=False)
+        def by_order(order_id: Any) -> Any:
+            return order_id
+
+    with pytest.raises(LockKeyError, match=r"lock_key callable .*<lambda> takes self first"):
+
+        @app.task(name="keys_tests.bound", bind=True, lock_key=lambda self, n: n, **TASK_OPTIONS)
+        def bound(self: Any, n: Any) -> Any:
+            return n
+
+
+def test_a_lock_key_callable_mirroring_a_first_argument_named_self_is_accepted() -> None:
+    # Not bound: the task's own first argument is named self, and the callable gets it.
+    @app.task(name="keys_tests.unbound_self", lock_key=lambda self, n: n, **TASK_OPTIONS)
+    def unbound_self(self: Any, n: Any) -> Any:
+        return n
+
+    assert hash_tag(unbound_self.request_keys(("a", 7), {}).lock).endswith(":7")
+
+
+def test_a_key_error_hints_at_bind_when_the_first_parameter_is_named_self() -> None:
+    @app.task(name="keys_tests.forgot_bind", lock_key="order_id", **TASK_OPTIONS)
+    def forgot_bind(self: Any, order_id: Any) -> Any:
+        return order_id
+
+    with pytest.raises(
+        LockKeyError,
+        match=r"missing a required argument: 'order_id' \(the task's first parameter is named "
+        r"self: was bind=True forgotten\?\)",
+    ):
+        forgot_bind.request_keys((42,), {})
+    with pytest.raises(LockKeyError) as raised:
+        by_template.request_keys((1,), {})  # a first parameter of another name: no hint
+    assert "bind=True" not in str(raised.value)
+
+
 def test_callable_key_that_raises_fails_with_lock_key_error_at_publish() -> None:
     def key_of(invoice: Any) -> Any:
         return invoice["number"]

@@ -36,6 +36,7 @@ from celery_lock import (
     ResultUnavailableError,
     StaleFenceError,
     follow,
+    is_skipped,
 )
 from celery_lock.keys import RequestKeys
 from celery_lock.lease import Acquired, Holder, Lease, new_token
@@ -146,10 +147,15 @@ def test_follow_returns_an_eager_call_s_value_at_once(celery_app: Celery) -> Non
     def eager(request_idx: int) -> int:
         return request_idx * 2
 
-    assert follow(eager.apply((7,)), timeout=TIMEOUT) == 14  # an EagerResult: ready as made
+    first = eager.apply((7,))
+    assert follow(first, timeout=TIMEOUT) == 14  # an EagerResult: ready as made
     skipped = eager.apply((7,))  # done: state IGNORED, which is no ready state
     # The holder's result is stored nowhere: None, as get(), with no waiting.
     assert follow(skipped, timeout=1) == skipped.get() is None
+    # The skip is the result (no marker dict, as a worker stores): is_skipped tells it too.
+    assert is_skipped(skipped.result)
+    assert (skipped.result.reason, skipped.result.holder) == ("done", first.id)
+    assert not is_skipped(follow(eager.apply((8,)), timeout=1))
 
 
 @pytest.mark.celery(task_store_eager_result=True)
@@ -303,6 +309,7 @@ ERRORS: list[CeleryLockError] = [
     ),
     DuplicateTaskError("celery-lock:{shop.process:7}:lock", "holder-id"),
     LockContendedError("celery-lock:{shop.process:7}:lock", "holder-id"),
+    LockContendedError("celery-lock:{shop.process:7}:lock", "holder-id", enclosing=True),
     LockLostError("celery-lock:{shop.process:7}:lock"),
     ResultUnavailableError("holder-id", "celery-lock:{shop.process:7}:lock"),
     StaleFenceError("orders:7", 3, 5),

@@ -209,6 +209,12 @@ def test_a_misspelled_setting_is_warned_about_at_start() -> None:
     ) in checks.warn_at_startup(app, {})
     app.conf.CELERY_LOCK_TTL = 30  # an upper-case setting is known
     assert not any("CELERY_LOCK_TTL" in w for w in checks.warn_at_startup(app, {}))
+    # Suggested as it was spelled: Django settings keep only upper-case names.
+    app.conf.CELERY_LOCK_DONETTL = 5
+    assert (
+        "app.conf has CELERY_LOCK_DONETTL, which is no celery-lock setting, and nothing reads it "
+        "(did you mean CELERY_LOCK_DONE_TTL?)"
+    ) in checks.warn_at_startup(app, {})
 
 
 def test_a_misspelled_django_setting_under_the_celery_namespace_is_warned_about() -> None:

@@ -18,7 +18,7 @@ from unittest import mock
 
 import pytest
 import redis
-from celery import Celery, Signature, chain, chord, current_task, group
+from celery import Celery, Signature, Task, chain, chord, current_task, group
 from celery.app.task import Context
 from celery.contrib.testing.worker import TestWorkController
 from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
@@ -33,6 +33,7 @@ import celery_lock.events
 import celery_lock.task
 from celery_lock import (
     SKIPPED,
+    ConfigurationError,
     DuplicateTaskError,
     LockContendedError,
     LockedTask,
@@ -257,8 +258,24 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
         nothing.apply_async(link=step)
         return str(step.id)
 
+    class Traced(celery_app.Task):  # type: ignore[name-defined]
+        """A base of the user's own with a ``__call__`` (tracing, a tenant's context)."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            fence = getattr(self.request, "lock_fence", None)
+            calls.seen.append({"task": "traced.__call__", "fence": fence})
+            return super().__call__(*args, **kwargs)
+
+    class TracedLocked(Traced, LockedTask):  # the order _check_no_call_hidden asks for
+        pass
+
+    @celery_app.task(base=TracedLocked, bind=True, lock_key="request_idx", name="t.traced")
+    def traced(self: Any, request_idx: int) -> str:
+        seen(self)
+        return "traced"
+
     every = [process, pending, stage, flaky, resend, unsent, boom, slow, walk, hop, page, handoff]
-    every += [relay, quiet, tags, nothing, hooked, sender, fan]
+    every += [relay, quiet, tags, nothing, hooked, sender, fan, traced]
     return {t.name.split(".", 1)[1]: t for t in every}
 
 
@@ -2141,6 +2158,40 @@ def test_a_long_deferred_copy_waits_at_most_a_minute(pttl_ms: int) -> None:
     # Jittered (±20 %), so that copies deferred together do not all come back together: fifty
     # draws spread over more than half the range (a mutant without the jitter survived).
     assert max(delays) - min(delays) > 0.2 * 60, delays
+
+
+def test_a_base_listed_before_locked_task_has_its_call_run_around_the_locked_body(
+    worker: Any, tasks: dict[str, Any], calls: Calls
+) -> None:
+    assert tasks["traced"].delay(7).get(timeout=TIMEOUT) == "traced"
+    # The base's __call__ runs first (no lease yet), then the body, inside the lease.
+    assert [call["task"] for call in calls.seen] == ["traced.__call__", "t.traced"]
+    assert calls.seen[0]["fence"] is None
+    assert calls.seen[1]["fence"] is not None
+    copy = tasks["traced"].delay(7)
+    assert follow(copy, timeout=TIMEOUT) == "traced"  # skipped as done, followed to the first
+    assert copy.state == SKIPPED
+    assert calls.count("t.traced") == 1
+
+
+def test_a_base_whose_call_locked_task_would_hide_is_refused_at_class_creation() -> None:
+    class Traced(Task):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)
+
+    class Tenant(Traced):  # inherits the __call__ LockedTask would hide
+        pass
+
+    for base in (Traced, Tenant):
+        with pytest.raises(
+            ConfigurationError,
+            match=rf"Traced\.__call__ would never run: .* \(class Hiding\({base.__name__}, "
+            rf"LockedTask\)\)",
+        ):
+            type("Hiding", (LockedTask, base), {})
+
+    class Plain(LockedTask, Celery("plain_base", set_as_current=False).Task):  # no __call__
+        pass
 
 
 def test_track_started_is_taken_from_where_celery_would_take_it() -> None:

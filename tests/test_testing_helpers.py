@@ -416,6 +416,12 @@ def locked_app(server: RedisServer) -> Iterator[Celery]:
     def pending(self: Any, idx: int) -> int | None:
         return self.request.lock_fence
 
+    @app.task(**options, name="held.chains", shared=False)
+    def chains(self: Any, idx: int) -> Any:
+        # The next stage sent from the body, holding the scope's lease, as
+        # examples/pipeline/README.md advises: in eager mode, it runs here, inside this call.
+        return process.delay(idx)
+
     yield app
     reset_runtime(app)
     app.close()
@@ -452,6 +458,30 @@ def test_hold_makes_a_copy_skip_and_another_stage_contend(
     assert process(8) == lease.fence + 1
     reset_runtime(locked_app)
     assert clients_of(server) == set()  # hold closed its client too
+
+
+def test_a_next_stage_sent_from_an_eager_body_says_it_cannot_wait_for_its_caller(
+    locked_app: Celery,
+) -> None:
+    outer = locked_app.tasks["held.chains"].apply((7,), task_id="outer-id")
+    inner = outer.get()
+    assert inner.state == "FAILURE"
+    error = inner.result
+    assert isinstance(error, LockContendedError)
+    assert (error.holder, error.enclosing) == ("outer-id", True)
+    assert str(error) == (
+        "request celery-lock:{req:7}:lock is held by task outer-id, which this call was made "
+        "inside (an eager or direct call in its body); it cannot wait for its own caller: send "
+        "it from a worker's task (test such a chain with a worker), or after the body returns"
+    )
+    # Held by another, not a caller: the plain message.
+    with (
+        hold(locked_app.tasks["held.process"], (8,), task_id="other-id"),
+        pytest.raises(LockContendedError) as raised,
+    ):
+        locked_app.tasks["held.pending"](8)
+    assert not raised.value.enclosing
+    assert str(raised.value).endswith("held by task other-id; cannot defer this call")
 
 
 def test_hold_refuses_a_request_that_is_not_free(locked_app: Celery) -> None:
