@@ -23,6 +23,7 @@ which holds a share of the keys alone.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import shlex
@@ -81,7 +82,15 @@ def _left(ttl_left_s: float, digits: int = 1) -> str:
 
 
 def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    """``value`` read from the lock store as text: bytes that are not UTF-8 (a key a foreign
+    writer made) kept as surrogates, which :func:`_raw` turns back into the same bytes."""
+    return value.decode(errors="surrogateescape") if isinstance(value, bytes) else str(value)
+
+
+def _raw(key: str) -> bytes:
+    """The key ``key`` names, as bytes: a name read by :func:`_text`, or typed (Python reads a
+    command line's bytes that are not UTF-8 as the same surrogates), names the same key."""
+    return key.encode(errors="surrogateescape")
 
 
 def _printable(text: str) -> str:
@@ -144,7 +153,7 @@ class LockAdmin:
         progress = _ScanProgress(self.client, self.progress, self.progress_every)
         cursor = 0
         while True:
-            cursor, keys = self.client.scan(cursor, match=pattern, count=SCAN_BATCH)
+            cursor, keys = self.client.scan(cursor, match=_raw(pattern), count=SCAN_BATCH)
             for key in keys:
                 text = _text(key)
                 if text not in seen:
@@ -172,8 +181,8 @@ class LockAdmin:
     def _read(self, keys: list[str]) -> list[tuple[LeaseInfo | None, bytes]]:
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
-            pipe.get(key)
-            pipe.pttl(key)
+            pipe.get(_raw(key))
+            pipe.pttl(_raw(key))
         replies = pipe.execute(raise_on_error=False)
         now_ms = time.time() * 1000
         found: list[tuple[LeaseInfo | None, bytes]] = []
@@ -186,25 +195,29 @@ class LockAdmin:
             if _wrong_type(value):  # not a string at all
                 found.append((_foreign(key, pttl), b""))
                 continue
-            try:
-                entry = decode_lock(value)
-                holder = entry.holder
-                lease = LeaseInfo(
-                    key=key,
-                    task_id=holder.task_id,
-                    task=holder.task_name,
-                    worker=f"{holder.host}:{holder.pid}",
-                    age_s=round((now_ms - entry.since_ms) / 1000, 3) if entry.since_ms else None,
-                    ttl_left_s=_ttl_left(pttl),
-                    fence=entry.fence,
-                )
-            except (ValueError, KeyError, TypeError, OverflowError):
-                # Not a lock celery-lock wrote (OverflowError: a "since" no float holds, for
-                # the age): listed, so that it can be found and released.
-                found.append((_foreign(key, pttl), value))
-                continue
-            found.append((lease, value))
+            found.append((self._lease_of(key, value, pttl, now_ms), value))
         return found
+
+    @staticmethod
+    def _lease_of(key: str, value: bytes, pttl: Any, now_ms: float | None = None) -> LeaseInfo:
+        """The lease the lock ``key`` holds as ``value``, or a foreign one if celery-lock did
+        not write it (listed, so that it can be found and released)."""
+        now_ms = time.time() * 1000 if now_ms is None else now_ms
+        try:
+            entry = decode_lock(value)
+            holder = entry.holder
+            return LeaseInfo(
+                key=key,
+                task_id=holder.task_id,
+                task=holder.task_name,
+                worker=f"{holder.host}:{holder.pid}",
+                age_s=round((now_ms - entry.since_ms) / 1000, 3) if entry.since_ms else None,
+                ttl_left_s=_ttl_left(pttl),
+                fence=entry.fence,
+            )
+        except (ValueError, KeyError, TypeError, OverflowError):
+            # OverflowError: a "since" no float holds, for the age.
+            return _foreign(key, pttl)
 
     def held(self) -> list[LeaseInfo]:
         """Every lease held now."""
@@ -228,9 +241,9 @@ class LockAdmin:
         done_keys = self.done_keys(tag)
         pipe = self.client.pipeline(transaction=False)
         for string_key in [f"{tag}:fence", *done_keys]:
-            pipe.get(string_key)
-            pipe.pttl(string_key)
-            pipe.type(string_key)
+            pipe.get(_raw(string_key))
+            pipe.pttl(_raw(string_key))
+            pipe.type(_raw(string_key))
         replies = pipe.execute(raise_on_error=False)
         for reply in replies[1::3] + replies[2::3]:
             if isinstance(reply, redis.ResponseError):
@@ -259,13 +272,20 @@ class LockAdmin:
             "done": done,
         }
 
-    def release(self, lock_key: str, holding: bytes | None = None) -> int:
-        """Delete the lease at ``lock_key``: whoever holds it, or only while it still holds
-        ``holding`` (what :meth:`lease` read). Return 1 if deleted, 0 if there was no lease,
-        -1 if the key holds another value now (say, a new holder's lease)."""
-        if holding is None:
-            return int(self.client.delete(lock_key))
-        return int(self.client.eval(_RELEASE_UNCHANGED, 1, lock_key, holding))
+    def release(self, lock_key: str, holding: bytes) -> int:
+        """Delete the lease at ``lock_key`` only while it still holds ``holding`` (what
+        :meth:`lease` read). Return 1 if deleted, 0 if there was no lease, -1 if the key holds
+        another value now (say, a new holder's lease)."""
+        return int(self.client.eval(_RELEASE_UNCHANGED, 1, _raw(lock_key), holding))
+
+    def take(self, lock_key: str) -> LeaseInfo | None:
+        """Delete the lease at ``lock_key`` whoever holds it, and return what it was (``None``:
+        there was none), read in the same step, so that the caller can say whose it was."""
+        taken = self.client.eval(_TAKE, 1, _raw(lock_key))
+        if taken is None:
+            return None
+        value, pttl = taken
+        return self._lease_of(lock_key, value, pttl)
 
     def forget(self, name: str, task: str | None) -> tuple[str | None, list[str]]:
         """Delete the done-markers of ``name``: the one ``name`` is, the one of ``task``, or
@@ -282,7 +302,7 @@ class LockAdmin:
         if done_key is not None:
             # One marker, known by its key: no scan. A done-marker key as pasted (from a
             # LockStateError) is that task's marker only, not every stage's of the request.
-            return done_key, [done_key] if self.client.delete(done_key) else []
+            return done_key, [done_key] if self.client.delete(_raw(done_key)) else []
         keys = self.done_keys(tag)
         if not keys:
             return None, []
@@ -290,7 +310,7 @@ class LockAdmin:
         # was not forgotten, and is not reported as such.
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
-            pipe.delete(key)
+            pipe.delete(_raw(key))
         return None, [key for key, gone in zip(keys, pipe.execute(), strict=True) if gone]
 
 
@@ -345,6 +365,18 @@ if kind == 'none' then return 0 end
 local now = kind == 'string' and redis.call('GET', KEYS[1]) or ''
 if now ~= ARGV[1] then return -1 end
 return redis.call('DEL', KEYS[1])
+"""
+
+
+# Deletes the lease at KEYS[1] whoever holds it, and returns what it held ('' if not a string)
+# and the time it had left, or nil if there was none: release --yes says whose lease it deleted.
+_TAKE = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return false end
+local was = kind == 'string' and redis.call('GET', KEYS[1]) or ''
+local left = redis.call('PTTL', KEYS[1])
+redis.call('DEL', KEYS[1])
+return {was, left}
 """
 
 
@@ -464,6 +496,27 @@ def _parse_request_name(prefix: str, name: str) -> tuple[str, str | None]:
     return f"{tag}:lock", None
 
 
+def _unknown_scope(app: Celery, prefix: str, name: str) -> str | None:
+    """A warning for a ``<scope>:<request key>`` name whose scope no ``LockedTask`` of ``app``
+    uses (a task's short name, say, for its full one), with the closest that one does: every
+    command would find nothing there, and say only that. ``None`` for any other name, and
+    where the app registers no ``LockedTask`` (another app's tasks may use the scope)."""
+    from .task import LockedTask  # noqa: PLC0415 - the library's tasks, not needed by the others
+
+    if _KEY.fullmatch(name) or name.startswith(f"{prefix}:{{"):
+        return None
+    app.loader.import_default_modules()  # the tasks of `include` and autodiscovery too
+    scopes = {
+        task.lock_scope or task.name for task in app.tasks.values() if isinstance(task, LockedTask)
+    }
+    scope = name.partition(":")[0]
+    if not scopes or scope in scopes:
+        return None
+    meant = difflib.get_close_matches(scope, sorted(scopes), n=1, cutoff=0.4)
+    hint = f"; did you mean {meant[0]!r}?" if meant else ""
+    return f"no LockedTask of this app has scope {scope!r} (its task name or lock_scope){hint}"
+
+
 def _two_readings(prefix: str, name: str) -> str | None:
     """A warning for a ``<scope>:<request key>`` name whose request key looks as the library
     stores one it digests (``order42~<digest>``): it is read as that stored key, though a
@@ -493,14 +546,25 @@ def _admin(ctx: click.Context, name: str | None = None) -> LockAdmin:
     url, prefix, setting = _store(app, options, bool(ctx.find_root().params.get("app")))
     if name is not None:
         _parse_request_name(prefix, name)
-        warning = _two_readings(prefix, name)
-        if warning is not None:
-            click.echo(f"Warning: {warning}", err=True)
+        warnings = [_two_readings(prefix, name)]
+        if ctx.find_root().params.get("app"):
+            warnings.append(_unknown_scope(app, prefix, name))
+        for warning in warnings:
+            if warning is not None:
+                click.echo(f"Warning: {warning}", err=True)
     try:
         client = client_for_url(url, socket_connect_timeout=5, socket_timeout=10)
         reach(client)  # not PING, which a user allowed only what the scripts need may not send
     except redis.AuthenticationError as exc:  # NOAUTH, WRONGPASS: the URL's user or password
         raise click.ClickException(f"cannot log in to the lock store: {exc}") from exc
+    except redis.exceptions.NoPermissionError as exc:
+        if "script" not in str(exc).lower():  # a SELECT of a database, say
+            raise click.ClickException(f"the lock store refused the connection: {exc}") from exc
+        raise click.ClickException(  # an ACL user without @scripting
+            f"the lock store's user may not send SCRIPT EXISTS, which every command sends "
+            f"first ({exc}): it needs +@read +@write +@scripting on the keys under the prefix "
+            f"(docs/settings.md)"
+        ) from exc
     except redis.ResponseError as exc:  # a database the user may not SELECT, or none such
         raise click.ClickException(f"the lock store refused the connection: {exc}") from exc
     except redis.InvalidResponse as exc:  # a protocol error: another service's port
@@ -534,6 +598,15 @@ class _LockGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except redis.TimeoutError as exc:
+            if ctx.invoked_subcommand not in ("release", "forget"):
+                raise click.ClickException(f"the lock store did not answer in time: {exc}") from exc
+            # The store may have taken the write and stalled before the reply (a pause, a
+            # fork's stall): it may be done, or done later, or never.
+            raise click.ClickException(
+                f"the lock store did not answer in time ({exc}): what {ctx.invoked_subcommand} "
+                f"was deleting may be deleted or not; `celery lock show KEY` tells"
+            ) from exc
         except redis.RedisError as exc:
             raise click.ClickException(
                 f"the lock store failed: {type(exc).__name__}: {exc}"
@@ -672,8 +745,15 @@ def key_command(
 @click.argument("key")
 @click.option("--force", is_flag=True, help="Required: the holder may still be running.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--holder", metavar="TASK_ID",
+    help="Release only a lease this task id holds (as show names it), without asking; another "
+    "holder's is kept, and the command fails.",
+)  # fmt: skip
 @click.pass_context
-def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> None:
+def release_command(
+    ctx: click.Context, key: str, force: bool, yes: bool, holder: str | None
+) -> None:
     """Delete a lease whoever holds it (its holder, if alive, finds it lost).
 
     KEY names the request: one of its keys, as ls lists them, or <scope>:<request key>."""
@@ -681,27 +761,46 @@ def release_command(ctx: click.Context, key: str, force: bool, yes: bool) -> Non
         raise click.UsageError("release deletes a lease its holder may still need: add --force")
     admin = _admin(ctx, key)
     lock_key = admin.lock_key(key)
-    if yes:
-        released = admin.release(lock_key) > 0
+    released: LeaseInfo | None = None
+    if yes and holder is None:
+        released = admin.take(lock_key)
     else:
-        # Ask about the lease there is, and delete only that one: not a lease that lapsed
-        # while the user read the question and went to another holder.
+        # Delete only the lease there is, once it is known whose: not a lease that lapsed
+        # while the user read the question (or since show named its holder) and went to
+        # another holder.
         lease, holding = admin.lease(lock_key)
-        released = False
         if lease is not None:
-            # On stderr: stdout is for the result.
-            held = _held(lease, _inspect_command(ctx))
-            click.confirm(f"Release {_printable(lock_key)}, {held}?", abort=True, err=True)
+            if holder is not None and lease.task_id != holder:
+                raise click.ClickException(
+                    f"not released: {_printable(lock_key)} is {_held(lease, _inspect_command(ctx))}"
+                    f", not by {_printable(holder)}"
+                )
+            if holder is None:  # on stderr: stdout is for the result
+                held = _held(lease, _inspect_command(ctx))
+                click.confirm(f"Release {_printable(lock_key)}, {held}?", abort=True, err=True)
             outcome = admin.release(lock_key, holding)
             if outcome < 0:
                 raise click.ClickException(
-                    f"not released: {_printable(lock_key)} changed hands while you were asked "
-                    f"(run release again to see its holder)"
+                    f"not released: {_printable(lock_key)} changed hands "
+                    f"{'since it was read' if holder else 'while you were asked'} (run release "
+                    f"again to see its holder)"
                 )
-            released = outcome > 0
-    _emit(ctx, {"key": lock_key, "released": released},
-          f"released {_printable(lock_key)}" if released
-          else f"no lease at {_printable(lock_key)}")  # fmt: skip
+            released = lease if outcome > 0 else None
+    data: dict[str, Any] = {"key": lock_key, "released": released is not None}
+    if released is None:
+        text = f"no lease at {_printable(lock_key)}"
+    else:
+        data["holder"] = asdict(released)
+        text = f"released {_printable(lock_key)}, {_was_held(released)}"
+    _emit(ctx, data, text)
+
+
+def _was_held(lease: LeaseInfo) -> str:
+    """Whose ``lease`` was, as ``release`` reports it once it is deleted."""
+    if lease.fence is None:
+        return "which held a value celery-lock did not write"
+    task_id, task, worker = (_printable(text) for text in (lease.task_id, lease.task, lease.worker))
+    return f"held by {task_id} ({task}) on {worker}"
 
 
 def _inspect_command(ctx: click.Context) -> str:

@@ -16,9 +16,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import redis
+from celery.bin.celery import celery
+from click.testing import CliRunner
 from conftest import granted
 
 from celery_lock.cli import LockAdmin
@@ -425,7 +428,10 @@ def test_release_json_output_stays_json_when_it_asks(
     done = celery_lock_cli(worker_env, "--json", "release", "storm.process:3", "--force",
                            stdin="y\n")  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"key": lease.keys.lock, "released": True}
+    released = json.loads(done.stdout)
+    assert (released["key"], released["released"]) == (lease.keys.lock, True)
+    assert (released["holder"]["task_id"], released["holder"]["fence"]) == ("task-3", lease.fence)
+    assert 0 < released["holder"]["ttl_left_s"] <= 30
     assert f"Release {lease.keys.lock}, held by task-3" in done.stderr
     assert "[y/N]" in done.stderr
 
@@ -658,7 +664,8 @@ def test_release_asks_naming_the_holder_its_worker_and_how_long_it_has_held_it(
     app = "tests.apps.storm_app" if "-A tests.apps.storm_app " in done.stderr else "<app>"
     alive = f"s left; alive if `celery -A {app} inspect query_task task-3` finds it"
     assert f"{alive} active)? [y/N]" in done.stderr
-    assert done.stdout.strip() == f"released {lease.keys.lock}"
+    held = "held by task-3 (storm.process) on host-a:4242"
+    assert done.stdout.strip() == f"released {lease.keys.lock}, {held}"
     # A task id is the producer's: the command it is put in quotes it for a shell.
     take(store, 3, "x $(touch pwned)")
     hostile = celery_lock_cli(worker_env, "release", "storm.process:3", "--force", stdin="n\n")
@@ -695,6 +702,154 @@ def test_release_deletes_only_the_lease_it_asked_about(
     assert store.client.get(second.keys.lock) is not None
 
 
+def test_release_yes_says_whose_lease_it_deleted(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    # Deleted whoever held it, and read in the same step: the output names that holder, not
+    # one show named a moment before.
+    lease = take(store, 3, "task-3")
+    done = celery_lock_cli(worker_env, "release", "storm.process:3", "--force", "--yes")
+    assert done.returncode == 0, done.stderr
+    held = "held by task-3 (storm.process) on host-a:4242"
+    assert done.stdout.strip() == f"released {lease.keys.lock}, {held}"
+    assert not store.client.exists(lease.keys.lock)
+    take(store, 3, "task-4")
+    answer = json.loads(
+        celery_lock_cli(
+            worker_env, "--json", "release", "storm.process:3", "--force", "--yes"
+        ).stdout
+    )
+    assert (answer["holder"]["task_id"], 0 < answer["holder"]["ttl_left_s"] <= 30) == (
+        "task-4",
+        True,
+    )
+    store.client.set(lease.keys.lock, "garbage")  # not celery-lock's: deleted all the same
+    done = celery_lock_cli(worker_env, "--json", "release", "storm.process:3", "--force", "--yes")
+    assert json.loads(done.stdout)["holder"]["task_id"] == "?"
+    assert json.loads(done.stdout)["holder"]["ttl_left_s"] == -1.0  # written without a TTL
+    assert not store.client.exists(lease.keys.lock)
+
+
+def test_release_holder_deletes_only_that_holder_s_lease(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    # show named task-3; since then its lease lapsed and task-4 took the request: a script's
+    # release --holder task-3 keeps task-4's lease, and fails.
+    lease = take(store, 3, "task-3")
+    store.client.delete(lease.keys.lock)
+    second = take(store, 3, "task-4")
+    release = ["release", "storm.process:3", "--force", "--holder"]
+    refused = celery_lock_cli(worker_env, *release, "task-3")
+    assert refused.returncode == 1, refused.stderr
+    assert f"Error: not released: {lease.keys.lock} is held by task-4 (storm.process)" in (
+        refused.stderr
+    )
+    assert refused.stderr.rstrip().endswith(", not by task-3")
+    assert store.client.get(second.keys.lock) is not None
+    done = celery_lock_cli(worker_env, *release, "task-4")  # no question asked
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(f"released {lease.keys.lock}, held by task-4 ")
+    assert not store.client.exists(lease.keys.lock)
+    gone = celery_lock_cli(worker_env, *release, "task-4")
+    assert (gone.returncode, gone.stdout.strip()) == (0, f"no lease at {lease.keys.lock}")
+
+
+@pytest.mark.parametrize("command", ["release", "forget", "show"])
+def test_a_timeout_says_whether_a_deletion_may_have_been_made(
+    worker_env: dict[str, str], store: LockStore, command: str
+) -> None:
+    # The store may take a write and stall before its reply: a release or forget that timed
+    # out may be done (or done later), which "failed" did not say.
+    def stalled(*_: Any, **__: Any) -> None:
+        raise redis.TimeoutError("Timeout reading from socket")
+
+    take(store, 3, "task-3")
+    args = {"release": ["--force", "--yes"], "forget": [], "show": []}[command]
+    url = worker_env["STORM_LOCK_URL"]
+    with (
+        mock.patch.object(LockAdmin, "take", stalled),
+        mock.patch.object(LockAdmin, "forget", stalled),
+        mock.patch.object(LockAdmin, "show", stalled),
+    ):
+        done = CliRunner().invoke(celery, ["lock", "--url", url, command, "storm.process:3", *args])
+    assert done.exit_code == 1, done.output
+    if command == "show":
+        assert "Error: the lock store did not answer in time: Timeout reading" in done.output
+    else:
+        assert (
+            f"Error: the lock store did not answer in time (Timeout reading from socket): what "
+            f"{command} was deleting may be deleted or not; `celery lock show KEY` tells"
+        ) in done.output
+
+
+def test_a_user_without_scripting_is_told_what_it_lacks(worker_env: dict[str, str]) -> None:
+    url = worker_env["STORM_LOCK_URL"]
+    admin = redis.Redis.from_url(url)
+    rules = ["on", ">pw", "~celery-lock:*", "+@read", "+select"]
+    try:  # redis-py's CLIENT SETINFO on connect: Redis 7.0 knows no such command, and refuses it
+        admin.execute_command("ACL", "SETUSER", "cli-read-only", *rules, "+client|setinfo")
+    except redis.ResponseError:
+        admin.execute_command("ACL", "SETUSER", "cli-read-only", *rules)
+    try:
+        read_only = url.replace("redis://", "redis://cli-read-only:pw@", 1)
+        done = celery_lock_cli(worker_env, "--url", read_only, "ls")
+    finally:
+        admin.execute_command("ACL", "DELUSER", "cli-read-only")
+        admin.close()
+    assert done.returncode == 1, done.stderr
+    assert "Error: the lock store's user may not send SCRIPT EXISTS, which every command sends" in (
+        done.stderr
+    )
+    assert "it needs +@read +@write +@scripting on the keys under the prefix" in done.stderr
+
+
+def test_a_scope_no_task_of_the_app_uses_is_warned_about(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    # The task's short name for its full one: show found nothing there, and said only that.
+    lease = take(store, 43, "task-43")
+    store.release(lease, success=True, done_ttl_ms=60_000)
+    done = celery_lock_cli(worker_env, "show", "process:43")
+    assert done.returncode == 0, done.stderr
+    assert (
+        "Warning: no LockedTask of this app has scope 'process' (its task name or lock_scope); "
+        "did you mean 'storm.process'?"
+    ) in done.stderr
+    assert "done      none" in done.stdout
+    known = celery_lock_cli(worker_env, "show", "storm.process:43")
+    assert "Warning" not in known.stderr
+    assert "done      storm.process by task-43" in known.stdout
+    shared = celery_lock_cli(worker_env, "show", "request:43")  # a lock_scope of the app's
+    assert "Warning" not in shared.stderr
+
+
+def test_keys_that_are_not_utf_8_are_listed_and_named_back(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    # The library never writes such keys; a foreign writer may. ls left them out, and naming
+    # one died with a traceback.
+    holder = Holder("t-odd", "storm.process", "host-a", 1)
+    odd = b"celery-lock:{storm.process:bad\xff}"
+    store.client.set(odd + b":lock", encode_lock(new_token(), 7, holder, 0), px=60_000)
+    store.client.set(odd + b":done:storm.process", b"t-done", px=60_000)
+    [lease] = json.loads(celery_lock_cli(worker_env, "--json", "ls").stdout)
+    assert lease["task_id"] == "t-odd"
+    assert lease["key"] == "celery-lock:{storm.process:bad\udcff}:lock"
+    listed = celery_lock_cli(worker_env, "ls")
+    assert "celery-lock:{storm.process:bad\\udcff}:lock" in listed.stdout  # escaped as shown
+    # Named back on a command line, as the bytes it is (Python reads them as surrogates).
+    name = os.fsdecode(odd + b":lock")
+    shown = celery_lock_cli(worker_env, "--json", "show", name)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["lease"]["task_id"] == "t-odd"
+    forgot = celery_lock_cli(worker_env, "forget", name)
+    assert forgot.returncode == 0, forgot.stderr
+    assert not store.client.exists(odd + b":done:storm.process")
+    released = celery_lock_cli(worker_env, "release", name, "--force", "--yes")
+    assert released.returncode == 0, released.stderr
+    assert not store.client.exists(odd + b":lock")
+
+
 @pytest.mark.parametrize("how", ["wrong password", "no password"])
 def test_a_failed_login_is_reported_as_such(
     worker_env: dict[str, str], connect_only_url: str, how: str
@@ -725,7 +880,10 @@ def test_options_come_from_celery_environment_variables_too(
         {**env, "CELERY_LOCK_RELEASE_FORCE": "1", "CELERY_LOCK_RELEASE_YES": "1"},
         "release", "storm.process:5",
     )  # fmt: skip
-    assert json.loads(released.stdout) == {"key": lease.keys.lock, "released": True}
+    answer = json.loads(released.stdout)
+    assert (answer["key"], answer["released"], answer["holder"]["task_id"]) == (
+        lease.keys.lock, True, "task-5"
+    )  # fmt: skip
     assert not store.client.exists(lease.keys.lock)
 
 
