@@ -162,14 +162,15 @@ class LockContendedError(CeleryLockError):
         self.enclosing = enclosing
 
     def __str__(self) -> str:
+        holder = f"task {self.holder}" if self.holder else "a direct call"
         if self.enclosing:
             return (
-                f"request {self.lock_name} is held by task {self.holder}, which this call was "
-                f"made inside (an eager or direct call in its body); it cannot wait for its own "
-                f"caller: send it from a worker's task (test such a chain with a worker), or "
-                f"after the body returns"
+                f"request {self.lock_name} is held by {holder}, which this call was made "
+                f"inside (an eager or direct call in its body); it cannot wait for its own "
+                f"caller: publish it to a worker (delay, not eagerly), which defers it until "
+                f"the body ends; test such a chain with a worker"
             )
-        return f"request {self.lock_name} is held by task {self.holder}; cannot defer this call"
+        return f"request {self.lock_name} is held by {holder}; cannot defer this call"
 
 
 class LockLostError(CeleryLockError):

@@ -994,6 +994,25 @@ class _KeyField:
         return _KeyField(self.__value[item], self.__leaves)
 
 
+class RefusedKeyDeriver(KeyDeriver):
+    """The deriver of a task whose lock options were refused as it bound to its app (a
+    ``task_annotations`` entry giving a ``lock_key`` its arguments lack): every call raises
+    that error again. Celery marks the app finalized before it binds the tasks, so a process
+    that caught the error once would otherwise publish every later call keyed by the
+    ``lock_key`` the annotation replaced, which no worker of the app (refusing to start) shares.
+    """
+
+    _error: Exception
+
+    def __init__(self, task_name: str, signature: inspect.Signature, error: Exception) -> None:
+        super().__init__(task_name, signature, None)
+        object.__setattr__(self, "_error", error)
+
+    def request_key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """Raise the error the task's lock options were refused with."""
+        raise self._error
+
+
 @dataclass(frozen=True)
 class RequestKeys:
     """The Redis keys of one request in one scope, sharing one hash tag."""

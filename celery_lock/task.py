@@ -83,7 +83,7 @@ from .exceptions import (
     LockStoreUnavailableError,
 )
 from .heartbeat import Heartbeat, green_pool
-from .keys import NAMED_POSITIONAL, KeyDeriver, LockKeySpec, RequestKeys
+from .keys import NAMED_POSITIONAL, KeyDeriver, LockKeySpec, RefusedKeyDeriver, RequestKeys
 from .lease import Acquired, Done, HandOn, Held, Holder, Lease, new_token
 from .request import EXPIRED_FIELD, ExpiredCopy, SkippedCopy
 from .runtime import get_runtime
@@ -199,45 +199,75 @@ def _ignores_result(task: Task[Any, Any], request: Any) -> bool:
     return bool(task.ignore_result or getattr(request, "ignore_result", False))
 
 
-def _made_inside(holder: str, request: Any) -> bool:
-    """Whether ``request`` is a call made inside the running call of task id ``holder``: a
-    request below it on a task's request stack in this thread (an eager or direct call)."""
-    if not holder:
-        return False
+def _made_inside(holder: str, lock_key: str, request: Any) -> bool:
+    """Whether ``request`` is a call made inside a running call that holds the request: a
+    request below it on a task's request stack in this thread (an eager or direct call), of
+    task id ``holder``, or holding the lease at ``lock_key`` (a direct call has no task id)."""
     return any(
-        running is not request and running.id == holder
+        running is not request
+        and ((holder and running.id == holder) or running.__dict__.get("lock_key") == lock_key)
         for task in _task_stack.stack
         for running in task.request_stack.stack
     )
 
 
 def _check_no_call_hidden(cls: type[LockedTask]) -> None:
-    """Refuse a base after :class:`LockedTask` in ``cls``'s MRO that defines ``__call__``.
+    """Refuse a class whose ``__call__`` would skip ``LockedTask.__call__``, or be skipped.
 
     ``LockedTask.__call__`` runs the body itself, inside the lease, and calls no ``__call__``
     after its own: a base class of the user's (tracing, a tenant's context) placed after it,
-    as in ``class T(LockedTask, MyBase)``, would never run, and say nothing.
+    as in ``class T(LockedTask, MyBase)``, would never run, and say nothing. One placed before
+    it must call ``super().__call__``: one that calls ``self.run`` itself (Flask's recipe for
+    a ``task_cls``) would run every call unlocked, and say nothing either.
 
     Raises:
-        ConfigurationError: naming the base and the order that works.
+        ConfigurationError: naming the class and the order, or the call, that works.
     """
+    name = f"{cls.__module__}.{cls.__qualname__}"
     mro = cls.__mro__
-    for klass in mro[mro.index(LockedTask) + 1 :]:
+    at = mro.index(LockedTask)
+    for klass in mro[:at]:
+        call = klass.__dict__.get("__call__")
+        code = getattr(call, "__code__", None)
+        # super() (its __class__ cell) or LockedTask named in the body: it goes on to ours.
+        if code is not None and not (
+            "__class__" in code.co_freevars or {"super", "LockedTask"} & set(code.co_names)
+        ):
+            raise ConfigurationError(
+                name,
+                f"{_shown_class(klass)}.__call__ calls no super().__call__, so LockedTask's "
+                f"never runs: no call of the task would be locked; have it return "
+                f"super().__call__(*args, **kwargs) where it calls self.run",
+            )
+    for klass in mro[at + 1 :]:
         if klass is Task:
             return
         if "__call__" in klass.__dict__:
-            # The base the class names, which may have inherited the __call__.
+            # The base the class names, which may have inherited the __call__, moved before
+            # the first base that brings LockedTask.
             named = next(
                 (b for b in cls.__bases__ if klass in b.__mro__ and LockedTask not in b.__mro__),
                 klass,
             )
+            bases = [b for b in cls.__bases__ if b is not named]
+            first = next(i for i, b in enumerate(bases) if LockedTask in b.__mro__)
+            bases.insert(first, named)
+            order = ", ".join(_shown_class(b) for b in bases)
             raise ConfigurationError(
-                f"{cls.__module__}.{cls.__qualname__}",
-                f"{klass.__name__}.__call__ would never run: LockedTask comes before it "
-                f"and runs the body itself; list {named.__name__} first "
-                f"(class {cls.__name__}({named.__name__}, LockedTask)), so that its "
-                f"__call__ runs and calls super().__call__",
+                name,
+                f"{_shown_class(klass)}.__call__ would never run: LockedTask comes before it "
+                f"and runs the body itself; list {_shown_class(named)} first "
+                f"(class {cls.__name__}({order})), so that its __call__ runs and calls "
+                f"super().__call__",
             )
+
+
+def _shown_class(klass: type) -> str:
+    """A class's name for a message: ``app.Task`` for the class an app makes of its
+    ``task_cls`` (named ``Task``, as ``celery.Task`` is)."""
+    if klass.__name__ == "Task" and klass is not Task and "_app" in klass.__dict__:
+        return "app.Task"
+    return klass.__name__
 
 
 def _check_scope(task_name: str, scope: Any) -> None:
@@ -371,16 +401,21 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if signature is None:
             return
         name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__name__}"
-        if cls.__dict__.get("_decorated"):
-            # Options of the decorator (and task_annotations) are in the class Celery made of
-            # the function. Attributes of a task class of the user's own are its own.
-            inherited = {option for base in cls.__mro__[1:] for option in vars(base)}
-            check_option_names(name, list(cls.__dict__), inherited)
-        cls._lock_deriver = KeyDeriver.create(name, signature, spec)
-        _check_scope(name, cls.lock_scope)
-        if bound:
-            _check_scope_has_a_key(name, cls.lock_scope, spec)
-        LockSettings.resolve({}, cls._lock_task_options(), name, check_together=False)
+        try:
+            if cls.__dict__.get("_decorated"):
+                # Options of the decorator (and task_annotations) are in the class Celery made
+                # of the function. Attributes of a task class of the user's own are its own.
+                inherited = {option for base in cls.__mro__[1:] for option in vars(base)}
+                check_option_names(name, list(cls.__dict__), inherited)
+            cls._lock_deriver = KeyDeriver.create(name, signature, spec)
+            _check_scope(name, cls.lock_scope)
+            if bound:
+                _check_scope_has_a_key(name, cls.lock_scope, spec)
+            LockSettings.resolve({}, cls._lock_task_options(), name, check_together=False)
+        except (LockKeyError, ConfigurationError) as exc:
+            if bound:  # the class exists, and the app is marked finalized: refuse every call
+                cls._lock_deriver = RefusedKeyDeriver(name, signature, exc)
+            raise
 
     @classmethod
     def _lock_task_options(cls) -> dict[str, Any]:
@@ -1216,7 +1251,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if request.is_eager or request.called_directly:
             if exc is not None:
                 raise exc
-            raise LockContendedError(keys.lock, holder, _made_inside(holder, request))
+            raise LockContendedError(keys.lock, holder, _made_inside(holder, keys.lock, request))
         headers = {
             name: value
             for name, value in (request.headers or {}).items()

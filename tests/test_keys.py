@@ -1859,6 +1859,15 @@ def test_an_invalid_lock_key_set_by_task_annotations_fails_when_the_task_binds()
 
     with pytest.raises(LockKeyError, match="orderid"):
         annotated.finalize()
+    # Celery marked the app finalized before binding: a process that caught the error went on
+    # to publish every call keyed by the digest the annotation replaced. Each call is refused.
+    with mock.patch.object(Task, "apply_async") as published:
+        for _ in range(2):
+            with pytest.raises(LockKeyError, match="orderid"):
+                ship.delay(42)
+    published.assert_not_called()
+    with pytest.raises(LockKeyError, match="orderid"):
+        ship.request_keys((42,), {})
 
 
 def test_a_bytes_argument_and_a_str_argument_are_always_keyed_apart() -> None:

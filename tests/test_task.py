@@ -616,9 +616,16 @@ def test_a_fresh_unsent_hand_on_marker_of_its_own_defers_the_redelivery_until_it
         assert {d["reason"] for d in deferred} == {"redelivered"}
         # Once it is older than a lease TTL, its run is dead: the next try reruns the request.
         lock_redis.pexpire(lease.keys.done, 60_000)
-        # Waited for by the body's own record: a t.process message an earlier test's worker
-        # left on the broker can run here too (seen once, on a loaded machine).
-        wait_for("the rerun", lambda: calls.count("t.handoff") == 1, TIMEOUT)
+        # Waited for by the replacement's own record (it keeps the task id): a t.process
+        # message an earlier test's worker left on the broker can run here too (seen once, on
+        # a loaded machine).
+        replaced = {"task": "t.process", "id": "sending-id"}
+        wait_for(
+            "the rerun's replacement",
+            lambda: any(replaced.items() <= call.items() for call in calls.seen),
+            TIMEOUT,
+        )
+    assert calls.count("t.handoff") == 1
     assert "when its run ended, its replacement not known to be sent" in caplog.text
 
 
@@ -2192,6 +2199,41 @@ def test_a_base_whose_call_locked_task_would_hide_is_refused_at_class_creation()
 
     class Plain(LockedTask, Celery("plain_base", set_as_current=False).Task):  # no __call__
         pass
+
+    # Brought in by a LockedTask subclass of the user's: moved before that one, not dropped.
+    class Keyed(LockedTask):
+        lock_key = "n"
+
+    with pytest.raises(ConfigurationError, match=r"\(class Hiding\(Tenant, Keyed\)\)"):
+        type("Hiding", (Keyed, Tenant), {})
+
+
+def test_a_base_whose_call_skips_locked_task_s_is_refused_at_class_creation() -> None:
+    # Flask's recipe for a task_cls calls self.run: listed before LockedTask, as the error above
+    # asks, every call would run unlocked.
+    class FlaskTask(Task):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self.run(*args, **kwargs)
+
+    flask_app = Celery("flask_base", task_cls=FlaskTask, set_as_current=False)
+    calls_no_super = (
+        r"FlaskTask\.__call__ calls no super\(\)\.__call__, so LockedTask's never runs: no "
+        r"call of the task would be locked; have it return super\(\)\.__call__\(\*args, "
+        r"\*\*kwargs\) where it calls self\.run"
+    )
+    with pytest.raises(ConfigurationError, match=calls_no_super):
+        type("Unlocked", (FlaskTask, LockedTask), {})
+    # The app's Task after LockedTask: moved first, as asked, it is refused in turn.
+    with pytest.raises(ConfigurationError, match=r"list app\.Task first \(class B\(app\.Task, "):
+        type("B", (LockedTask, flask_app.Task), {})
+    with pytest.raises(ConfigurationError, match=calls_no_super):
+        type("B", (flask_app.Task, LockedTask), {})
+
+    class Explicit(Task):  # names LockedTask's own: it runs
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return LockedTask.__call__(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    type("Locked", (Explicit, LockedTask), {})
 
 
 def test_track_started_is_taken_from_where_celery_would_take_it() -> None:

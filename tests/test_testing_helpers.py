@@ -471,9 +471,21 @@ def test_a_next_stage_sent_from_an_eager_body_says_it_cannot_wait_for_its_caller
     assert (error.holder, error.enclosing) == ("outer-id", True)
     assert str(error) == (
         "request celery-lock:{req:7}:lock is held by task outer-id, which this call was made "
-        "inside (an eager or direct call in its body); it cannot wait for its own caller: send "
-        "it from a worker's task (test such a chain with a worker), or after the body returns"
+        "inside (an eager or direct call in its body); it cannot wait for its own caller: "
+        "publish it to a worker (delay, not eagerly), which defers it until the body ends; test "
+        "such a chain with a worker"
     )
+    # Called directly (no task id): known by the lease it holds.
+    inner = locked_app.tasks["held.chains"](9)
+    assert (inner.result.holder, inner.result.enclosing) == ("", True)
+    assert "held by a direct call, which this call was made inside" in str(inner.result)
+    # A copy of the holder's own task id, not made inside it: not enclosing.
+    with (
+        hold(locked_app.tasks["held.process"], (10,), task_id="same-id"),
+        pytest.raises(LockContendedError) as same,
+    ):
+        locked_app.tasks["held.pending"].apply((10,), task_id="same-id").get()
+    assert not same.value.enclosing
     # Held by another, not a caller: the plain message.
     with (
         hold(locked_app.tasks["held.process"], (8,), task_id="other-id"),
