@@ -28,8 +28,9 @@ lock_skipped = Signal(
 )
 
 #: A copy was handed back to the broker to run later. Extra arguments: ``reason``
-#: (``"redelivered"``, ``"contention"``, ``"duplicate"`` or
-#: ``"store-unavailable"``), ``holder``, ``countdown``.
+#: (``"redelivered"``, ``"contention"``, ``"duplicate"``, ``"store-unavailable"``, or
+#: ``"lost"``: the copy a run that lost its lease sends of its message as it ends), ``holder``,
+#: ``countdown``.
 lock_deferred = Signal(
     name="lock_deferred",
     providing_args=["task_id", "lock_key", "reason", "holder", "countdown"],

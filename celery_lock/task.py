@@ -199,6 +199,11 @@ def _ignores_result(task: Task[Any, Any], request: Any) -> bool:
     return bool(task.ignore_result or getattr(request, "ignore_result", False))
 
 
+#: Deferrals that store no state (``RETRY`` would overwrite the holder's): a redelivered copy of
+#: a running message, and the copy a run that lost its lease sends of its message.
+_UNSTORED_REASONS = frozenset({"redelivered", "lost"})
+
+
 def _made_inside(holder: str, lock_key: str, request: Any) -> bool:
     """Whether ``request`` is a call made inside a running call that holds the request: a
     request below it on a task's request stack in this thread (an eager or direct call), of
@@ -876,7 +881,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         request: Any,
         heartbeat: Heartbeat,
     ) -> Any:
-        success = False
+        success = requeued = False
         try:
             # Inside the try: whatever raises from here on (a signal's exception, the
             # heartbeat's thread failing to start) must not leave the lease held and extended.
@@ -905,10 +910,39 @@ class LockedTask(Task):  # type: ignore[type-arg]
         except BaseException as exc:
             if _cut_by_cold_shutdown(exc, request, lease):
                 # The release below goes first: no done-marker, the lock deleted.
+                requeued = True
                 raise Reject(repr(exc), requeue=True) from exc
             raise
         finally:
             self._release(lease, settings, heartbeat, success=success)
+            if lease.lost and not requeued:
+                self._hand_on_after_loss(lease, settings, args, kwargs, request)
+
+    def _hand_on_after_loss(
+        self,
+        lease: Lease,
+        settings: LockSettings,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        request: Any,
+    ) -> None:
+        """Send a copy of the message of a run that lost its lease, which left no done-marker.
+
+        Whatever the run's outcome, Celery acks its message, and that ack may take another
+        copy's message off the broker: a copy of the same task id granted the request once the
+        lease lapsed (a Redis visibility-timeout redelivery keeps the message's delivery tag,
+        and the ack of either removes both), or, on Celery 5.7, one whose worker is lost after
+        this run stored SUCCESS under the shared id (acked as "succeeded before the worker was
+        lost"). Should that copy die, nothing would bring the request back. The copy sent here
+        does: it waits while the request is held by its task id, is acked quietly once that
+        holder's done-marker is there, and runs the request if no holder finished it.
+        """
+        if request.is_eager or request.called_directly or lease.retry_sent:
+            return  # nothing acked, or a retry of this task id is on its way already
+        if lease.handed_on is not None:
+            return  # the replacement carries the request on
+        with contextlib.suppress(Ignore):
+            self._defer(args, kwargs, lease.keys, "lost", lease.holder.task_id, settings.ttl_ms)
 
     def _store_started(self, request: Any) -> None:
         """Store ``STARTED`` for the run that holds the lease, as Celery's trace would have
@@ -1269,7 +1303,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         # Celery before 5.6.3 copies a request without the call's ignore_result: the copy
         # would take the task's, and store the result the caller declined.
         options["ignore_result"] = _ignores_result(self, request)
-        if reason == "redelivered":
+        if reason in _UNSTORED_REASONS:
             # A copy of a message already running (or whose holder died) waits for its
             # outcome: accepted before it expired, it must not expire while it waits, which
             # would store REVOKED under the task id the original runs as.
@@ -1299,7 +1333,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             holder=holder,
             countdown=countdown,
         )
-        if reason == "redelivered":
+        if reason in _UNSTORED_REASONS:
             raise Ignore()
         raise Retry(f"celery-lock: {reason}", exc, when=countdown, sig=signature)  # type: ignore[arg-type]
 

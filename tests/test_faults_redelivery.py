@@ -466,6 +466,47 @@ def test_deferred_redelivery_survives_when_the_running_original_is_killed(
     assert ran(record) == [(result.id, first["fence"] + 1)]
 
 
+def test_a_stale_holder_s_ack_leaves_a_copy_for_the_same_id_copy_that_took_its_lapsed_lease(
+    start_worker: Callable[..., CeleryWorker], producer: Celery, record: Record
+) -> None:
+    # A review's chaos soak: a paused holder's lease lapses, the visibility timeout delivers
+    # its message again, and that copy (the same task id) is granted the request. The stale
+    # holder ends; Celery acks its delivery, and on Redis that ack takes the copy's too (a
+    # restored message keeps its delivery tag). The copy is killed: nothing brought the
+    # request back. The stale holder now sends a copy of its message as it ends.
+    start_worker(
+        FAULT_VISIBILITY_TIMEOUT=str(VISIBILITY_TIMEOUT),
+        FAULT_RESTORE_INTERVAL="60",
+        FAULT_HEARTBEAT_INTERVAL="0.5",
+    )
+    result = producer.send_task(TASK, args=(1, 6.0))
+    first = wait_started(record)
+    os.kill(first["pid"], signal.SIGSTOP)  # a paused holder: its 2 s lease lapses
+    try:
+        time.sleep(2.5)
+        sleep_past_visibility_timeout(first)
+        force_visibility_timeout(producer, VISIBILITY_TIMEOUT)
+        second = wait_started(record, 2)
+    finally:
+        os.kill(first["pid"], signal.SIGCONT)
+    assert (second["task_id"], second["fence"]) == (result.id, first["fence"] + 1)
+    wait_for(
+        "the stale holder to end",
+        lambda: any(run["fence"] == first["fence"] for run in record.runs()),
+        TIMEOUT,
+    )
+    assert not any(run["fence"] == second["fence"] for run in record.runs()), "ended too soon"
+    os.kill(second["pid"], signal.SIGKILL)  # the OOM killer, say
+    third = wait_for(
+        "the request run again",
+        lambda: next((run for run in record.runs() if run["fence"] > second["fence"]), None),
+        TIMEOUT + KILLED_POOL_TTL,
+    )
+    assert third["task_id"] == result.id
+    lost = [d for d in record.deferred() if d["reason"] == "lost"]
+    assert [d["task_id"] for d in lost] == [result.id]
+
+
 def test_countdown_message_and_its_same_id_duplicate_run_once(
     start_worker: Callable[..., CeleryWorker],
     producer: Celery,

@@ -1063,7 +1063,7 @@ def test_heartbeat_keeps_lease_of_long_task(
 def test_lost_lease_is_reported_to_body_and_signal(
     worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
 ) -> None:
-    with recording(signals.lock_lost) as lost:
+    with recording(signals.lock_lost) as lost, recording(signals.lock_deferred) as deferred:
         try:
             result = tasks["slow"].delay(7)
             assert calls.started.wait(TIMEOUT)
@@ -1074,8 +1074,15 @@ def test_lost_lease_is_reported_to_body_and_signal(
             assert result.get(timeout=TIMEOUT) is True
         finally:
             calls.proceed.set()  # never leave the body waiting on a failed test
-    assert [sent["lock_key"] for sent in lost] == [keys.lock]
-    assert not lock_redis.exists(keys.done)
+        assert [sent["lock_key"] for sent in lost] == [keys.lock]
+        assert not lock_redis.exists(keys.done)
+        # Its ack may have taken another copy's message (the same task id granted the lapsed
+        # lease): it sent a copy of its own, which runs the request once the taker is gone.
+        wait_for("the copy of the lost run", lambda: deferred, TIMEOUT)
+        assert [(d["task_id"], d["reason"]) for d in deferred] == [(result.id, "lost")]
+        lock_redis.delete(keys.lock)
+        wait_for("the rerun", lambda: calls.count("t.slow") == 2, TIMEOUT)
+    assert [call["fence"] for call in calls.seen][1] > calls.seen[0]["fence"]
 
 
 def test_signals_acquired_and_released(worker: Any, tasks: dict[str, Any]) -> None:
