@@ -60,6 +60,7 @@ from celery.app.amqp import AMQP
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.states import STARTED
+from celery.utils.threads import LocalStack
 from kombu.exceptions import OperationalError
 
 try:
@@ -206,14 +207,18 @@ _UNSTORED_REASONS = frozenset({"redelivered", "lost"})
 
 def _made_inside(holder: str, lock_key: str, request: Any) -> bool:
     """Whether ``request`` is a call made inside a running call that holds the request: a
-    request below it on a task's request stack in this thread (an eager or direct call), of
-    task id ``holder``, or holding the lease at ``lock_key`` (a direct call has no task id)."""
-    return any(
-        running is not request
-        and ((holder and running.id == holder) or running.__dict__.get("lock_key") == lock_key)
-        for task in _task_stack.stack
-        for running in task.request_stack.stack
-    )
+    request below it on a task's request stack in this thread (an eager or direct call) whose
+    lease at ``lock_key`` is still held, of task id ``holder`` (``""``: a direct call's)."""
+    for task in _task_stack.stack:
+        for running in task.request_stack.stack:
+            if running is request:
+                continue
+            lease = running.__dict__.get("lock_lease")
+            if lease is None or lease.released or lease.lost or lease.keys.lock != lock_key:
+                continue  # not a holder of this request, or no more
+            if not holder or running.id == holder:
+                return True
+    return False
 
 
 def _check_no_call_hidden(cls: type[LockedTask]) -> None:
@@ -223,7 +228,8 @@ def _check_no_call_hidden(cls: type[LockedTask]) -> None:
     after its own: a base class of the user's (tracing, a tenant's context) placed after it,
     as in ``class T(LockedTask, MyBase)``, would never run, and say nothing. One placed before
     it must call ``super().__call__``: one that calls ``self.run`` itself (Flask's recipe for
-    a ``task_cls``) would run every call unlocked, and say nothing either.
+    a ``task_cls``) would run every call unlocked, and say nothing either. That is told from
+    the function's code, so only where it says so (see :func:`_skips_super_call`).
 
     Raises:
         ConfigurationError: naming the class and the order, or the call, that works.
@@ -232,39 +238,53 @@ def _check_no_call_hidden(cls: type[LockedTask]) -> None:
     mro = cls.__mro__
     at = mro.index(LockedTask)
     for klass in mro[:at]:
-        call = klass.__dict__.get("__call__")
-        code = getattr(call, "__code__", None)
-        # super() (its __class__ cell) or LockedTask named in the body: it goes on to ours.
-        if code is not None and not (
-            "__class__" in code.co_freevars or {"super", "LockedTask"} & set(code.co_names)
-        ):
+        if _skips_super_call(klass.__dict__.get("__call__")):
             raise ConfigurationError(
                 name,
-                f"{_shown_class(klass)}.__call__ calls no super().__call__, so LockedTask's "
-                f"never runs: no call of the task would be locked; have it return "
-                f"super().__call__(*args, **kwargs) where it calls self.run",
+                f"{_shown_class(klass)}.__call__ calls self.run (or Task.__call__), not "
+                f"super().__call__, so LockedTask's never runs: no call of the task would be "
+                f"locked; have it return super().__call__(*args, **kwargs) instead",
             )
     for klass in mro[at + 1 :]:
         if klass is Task:
             return
         if "__call__" in klass.__dict__:
-            # The base the class names, which may have inherited the __call__, moved before
-            # the first base that brings LockedTask.
-            named = next(
-                (b for b in cls.__bases__ if klass in b.__mro__ and LockedTask not in b.__mro__),
-                klass,
-            )
-            bases = [b for b in cls.__bases__ if b is not named]
-            first = next(i for i, b in enumerate(bases) if LockedTask in b.__mro__)
-            bases.insert(first, named)
-            order = ", ".join(_shown_class(b) for b in bases)
             raise ConfigurationError(
                 name,
                 f"{_shown_class(klass)}.__call__ would never run: LockedTask comes before it "
-                f"and runs the body itself; list {_shown_class(named)} first "
-                f"(class {cls.__name__}({order})), so that its __call__ runs and calls "
-                f"super().__call__",
+                f"and runs the body itself; {_order_that_runs(cls, klass)}, so that its "
+                f"__call__ runs and calls super().__call__",
             )
+
+
+def _skips_super_call(call: Any) -> bool:
+    """Whether ``call``, a ``__call__`` defined before ``LockedTask``'s, says in its code that
+    it runs the body itself: it names ``run`` (or ``Task`` and ``__call__``) and neither
+    ``super`` nor ``LockedTask``. A decorator's wrapper is looked through (``__wrapped__``);
+    what is no Python function (compiled, a ``partialmethod``) is taken on trust."""
+    if call is None:
+        return False
+    function = inspect.unwrap(call) if callable(call) else call
+    if not inspect.isfunction(function) or function is LockedTask.__call__:
+        return False
+    names = set(function.__code__.co_names)
+    if names & {"super", "LockedTask"}:
+        return False
+    return "run" in names or {"Task", "__call__"} <= names
+
+
+def _order_that_runs(cls: type[LockedTask], hidden: type) -> str:
+    """How to list ``cls``'s bases so that ``hidden``'s ``__call__`` comes before
+    ``LockedTask``'s: each base listed after the first that brings ``LockedTask`` and that
+    brings ``hidden`` is moved before that one."""
+    bases = list(cls.__bases__)
+    first = next(i for i, base in enumerate(bases) if LockedTask in base.__mro__)
+    moved = [b for b in bases[first + 1 :] if hidden in b.__mro__ and LockedTask not in b.__mro__]
+    if not moved:
+        return f"list {_shown_class(hidden)} before LockedTask"
+    order = bases[:first] + moved + [b for b in bases[first:] if b not in moved]
+    first_ones, listed = (", ".join(_shown_class(b) for b in some) for some in (moved, order))
+    return f"list {first_ones} first (class {cls.__name__}({listed}))"
 
 
 def _shown_class(klass: type) -> str:
@@ -390,7 +410,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
         built before would go on keying every call by the ``lock_key`` the annotation replaced.
         """
         super().annotate()
-        cls._check_lock_options(bound=True)
+        try:
+            cls._check_lock_options(bound=True)
+        except (LockKeyError, ConfigurationError):
+            # Celery's bind sets the request stack after this: left unset, a later direct or
+            # eager call of the task would fail on it, not on the refusal.
+            if cls.request_stack is None:
+                cls.request_stack = LocalStack()
+            raise
 
     @classmethod
     def _check_lock_options(cls, *, bound: bool = False) -> None:
@@ -535,7 +562,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
         deriver = self._lock_deriver
         if deriver is None:  # an abstract base's subclass without a run of its own
             return KeyDeriver.create(self.name, inspect.signature(self.run), self.lock_key)
-        if deriver.task_name == self.name or not self.name:  # not registered (yet)
+        if (
+            deriver.task_name == self.name
+            or not self.name
+            or isinstance(deriver, RefusedKeyDeriver)
+        ):  # not registered (yet), or refused whatever its name
             return deriver
         renamed = self.__dict__.get("_lock_renamed_deriver")
         if renamed is None or renamed[0] is not deriver:  # task_annotations rebuilt the class's

@@ -1868,6 +1868,38 @@ def test_an_invalid_lock_key_set_by_task_annotations_fails_when_the_task_binds()
     published.assert_not_called()
     with pytest.raises(LockKeyError, match="orderid"):
         ship.request_keys((42,), {})
+    # Eager and direct calls too (the refusal left Celery's bind before its request stack).
+    with pytest.raises(LockKeyError, match="orderid"):
+        ship(42)
+    eager = ship.apply((42,))
+    assert (eager.state, type(eager.result)) == ("FAILURE", LockKeyError)
+
+
+def test_an_invalid_lock_key_annotated_on_a_class_registered_under_another_name_refuses_calls() -> (
+    None
+):
+    # The deriver is named after the class; a task registered under another name gets a renamed
+    # copy of it, which a refusal must stay.
+    annotated = Celery("annotated_cls", broker="memory://", set_as_current=False)
+    annotated.conf.celery_lock_redis_url = "redis://127.0.0.1:1/0"
+    annotated.conf.task_annotations = {"*": {"lock_key": "orderid"}}
+
+    class Ship(LockedTask):
+        name = "annotated_cls.shipping"
+
+        def run(self, order_id: Any) -> Any:
+            return order_id
+
+    ship = Ship()
+    with pytest.raises(LockKeyError, match="orderid"):
+        annotated.register_task(ship)
+    ship.name = "annotated_cls.renamed"
+    with (
+        mock.patch.object(Task, "apply_async") as published,
+        pytest.raises(LockKeyError, match="orderid"),
+    ):
+        ship.delay(42)
+    published.assert_not_called()
 
 
 def test_a_bytes_argument_and_a_str_argument_are_always_keyed_apart() -> None:

@@ -7,6 +7,7 @@ controls exactly who holds the request and for how long.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import threading
@@ -2224,9 +2225,9 @@ def test_a_base_whose_call_skips_locked_task_s_is_refused_at_class_creation() ->
 
     flask_app = Celery("flask_base", task_cls=FlaskTask, set_as_current=False)
     calls_no_super = (
-        r"FlaskTask\.__call__ calls no super\(\)\.__call__, so LockedTask's never runs: no "
-        r"call of the task would be locked; have it return super\(\)\.__call__\(\*args, "
-        r"\*\*kwargs\) where it calls self\.run"
+        r"FlaskTask\.__call__ calls self\.run \(or Task\.__call__\), not super\(\)\.__call__, "
+        r"so LockedTask's never runs: no call of the task would be locked; have it return "
+        r"super\(\)\.__call__\(\*args, \*\*kwargs\) instead"
     )
     with pytest.raises(ConfigurationError, match=calls_no_super):
         type("Unlocked", (FlaskTask, LockedTask), {})
@@ -2241,6 +2242,33 @@ def test_a_base_whose_call_skips_locked_task_s_is_refused_at_class_creation() ->
             return LockedTask.__call__(self, *args, **kwargs)  # type: ignore[arg-type]
 
     type("Locked", (Explicit, LockedTask), {})
+
+    def traced(call: Callable[..., Any]) -> Callable[..., Any]:  # as tracing libraries wrap
+        @functools.wraps(call)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return call(*args, **kwargs)
+
+        return wrapper
+
+    class Decorated(Task):  # the wrapper names no super: what it wraps does
+        @traced
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)
+
+    type("Locked", (Decorated, LockedTask), {})
+
+    # The app's task_cls brought twice, before LockedTask (app.Task) and after it: moving the
+    # one after it works, and is what is asked, not the order as written.
+    class Tenant(Task):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)
+
+    tenant_app = Celery("tenant_base", task_cls=Tenant, set_as_current=False)
+    with pytest.raises(
+        ConfigurationError, match=r"list Tenant first \(class L\(app\.Task, Tenant, LockedTask\)\)"
+    ):
+        type("L", (tenant_app.Task, LockedTask, Tenant), {})
+    type("L", (tenant_app.Task, Tenant, LockedTask), {})
 
 
 def test_track_started_is_taken_from_where_celery_would_take_it() -> None:

@@ -416,6 +416,17 @@ def locked_app(server: RedisServer) -> Iterator[Celery]:
     def pending(self: Any, idx: int) -> int | None:
         return self.request.lock_fence
 
+    @app.task(**options, name="held.taken", shared=False)
+    def taken(self: Any, idx: int) -> Any:
+        # Its lease taken over by another holder mid-body, then the request called again.
+        redis.Redis.from_url(server.url_for(2)).delete(self.request.lock_key)
+        with hold(process, (idx,), task_id="another-workers-task", task_name="held.pending"):
+            try:
+                process(idx)
+            except LockContendedError as exc:
+                return exc
+        return None
+
     @app.task(**options, name="held.chains", shared=False)
     def chains(self: Any, idx: int) -> Any:
         # The next stage sent from the body, holding the scope's lease, as
@@ -486,6 +497,9 @@ def test_a_next_stage_sent_from_an_eager_body_says_it_cannot_wait_for_its_caller
     ):
         locked_app.tasks["held.pending"].apply((10,), task_id="same-id").get()
     assert not same.value.enclosing
+    # Called inside a call whose lease another holder took: that holder is not its caller.
+    taken = locked_app.tasks["held.taken"](11)
+    assert (taken.holder, taken.enclosing) == ("another-workers-task", False)
     # Held by another, not a caller: the plain message.
     with (
         hold(locked_app.tasks["held.process"], (8,), task_id="other-id"),
