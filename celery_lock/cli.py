@@ -41,7 +41,7 @@ from celery.bin.base import JSON_ARRAY, JSON_OBJECT
 from .checks import check_single_endpoint
 from .config import LockSettings, check_value, conf_value
 from .exceptions import ConfigurationError, LockKeyError
-from .keys import RequestKeys, safe_key_part, stored_key_part
+from .keys import RequestKeys, safe_key_part, scope_key_part, stored_key_part
 from .lease import decode_done, decode_lock
 from .runtime import lock_store_url
 from .store import client_for_url, reach, redis_integer
@@ -133,6 +133,9 @@ class LockAdmin:
         self.prefix = prefix
         self.progress = progress
         self.progress_every = progress_every
+        #: Set as a command sends its first write: a reply that does not come after that
+        #: leaves the write done or not (see ``_LockGroup``).
+        self.writing = False
 
     def parse(self, name: str) -> tuple[str, str | None]:
         """The lock key ``name`` names, and the done-marker key if ``name`` is one (see
@@ -276,11 +279,13 @@ class LockAdmin:
         """Delete the lease at ``lock_key`` only while it still holds ``holding`` (what
         :meth:`lease` read). Return 1 if deleted, 0 if there was no lease, -1 if the key holds
         another value now (say, a new holder's lease)."""
+        self.writing = True
         return int(self.client.eval(_RELEASE_UNCHANGED, 1, _raw(lock_key), holding))
 
     def take(self, lock_key: str) -> LeaseInfo | None:
         """Delete the lease at ``lock_key`` whoever holds it, and return what it was (``None``:
         there was none), read in the same step, so that the caller can say whose it was."""
+        self.writing = True
         taken = self.client.eval(_TAKE, 1, _raw(lock_key))
         if taken is None:
             return None
@@ -302,6 +307,7 @@ class LockAdmin:
         if done_key is not None:
             # One marker, known by its key: no scan. A done-marker key as pasted (from a
             # LockStateError) is that task's marker only, not every stage's of the request.
+            self.writing = True
             return done_key, [done_key] if self.client.delete(_raw(done_key)) else []
         keys = self.done_keys(tag)
         if not keys:
@@ -311,6 +317,7 @@ class LockAdmin:
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.delete(_raw(key))
+        self.writing = True
         return None, [key for key, gone in zip(keys, pipe.execute(), strict=True) if gone]
 
 
@@ -505,13 +512,25 @@ def _unknown_scope(app: Celery, prefix: str, name: str) -> str | None:
 
     if _KEY.fullmatch(name) or name.startswith(f"{prefix}:{{"):
         return None
-    app.loader.import_default_modules()  # the tasks of `include` and autodiscovery too
-    scopes = {
-        task.lock_scope or task.name for task in app.tasks.values() if isinstance(task, LockedTask)
-    }
-    scope = name.partition(":")[0]
-    if not scopes or scope in scopes:
+    try:  # a hint only: an app whose modules fail to import can still be repaired
+        app.loader.import_default_modules()  # the tasks of `include` and autodiscovery too
+        scopes = {
+            task.lock_scope or task.name
+            for task in app.tasks.values()
+            if isinstance(task, LockedTask)
+        }
+    except Exception:  # whatever the app's own modules raise
         return None
+    scope = name.partition(":")[0]
+    # As the keys hold them: a scope typed as stored (digested) is the scope.
+    if not scopes or stored_key_part(scope) in {scope_key_part(s) for s in scopes}:
+        return None
+    colon = sorted(s for s in scopes if s.startswith(f"{scope}:"))
+    if colon:  # split at its first ':', as every name is
+        return (
+            f"scope {colon[0]!r} holds a ':', and {name!r} names scope {scope!r}: give the "
+            f"request's lock key (celery lock key derives it)"
+        )
     meant = difflib.get_close_matches(scope, sorted(scopes), n=1, cutoff=0.4)
     hint = f"; did you mean {meant[0]!r}?" if meant else ""
     return f"no LockedTask of this app has scope {scope!r} (its task name or lock_scope){hint}"
@@ -584,7 +603,13 @@ def _admin(ctx: click.Context, name: str | None = None) -> LockAdmin:
     # stderr gets only errors there.
     terminal = sys.stderr.isatty()
     progress = _on_stderr if terminal else None
-    return LockAdmin(client, prefix, progress, options.progress_every)
+    admin = LockAdmin(client, prefix, progress, options.progress_every)
+    ctx.meta[_ADMIN] = admin  # for _LockGroup, which reports a failure in its writes
+    return admin
+
+
+#: Where :func:`_admin` leaves the command's :class:`LockAdmin` in the click context's meta.
+_ADMIN = "celery_lock.admin"
 
 
 def _on_stderr(line: str) -> None:
@@ -598,14 +623,18 @@ class _LockGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except redis.TimeoutError as exc:
-            if ctx.invoked_subcommand not in ("release", "forget"):
-                raise click.ClickException(f"the lock store did not answer in time: {exc}") from exc
-            # The store may have taken the write and stalled before the reply (a pause, a
-            # fork's stall): it may be done, or done later, or never.
+        except (redis.TimeoutError, redis.ConnectionError) as exc:
+            admin = ctx.meta.get(_ADMIN)
+            if admin is None or not admin.writing:
+                raise click.ClickException(
+                    f"the lock store failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            # The store may have taken the write and then stalled or dropped the connection
+            # before the reply: it may be done, or done later (a stalled store), or never.
             raise click.ClickException(
-                f"the lock store did not answer in time ({exc}): what {ctx.invoked_subcommand} "
-                f"was deleting may be deleted or not; `celery lock show KEY` tells"
+                f"the lock store did not answer ({type(exc).__name__}: {exc}): what "
+                f"{ctx.invoked_subcommand} was deleting may be deleted or not; `celery lock "
+                f"show` tells"
             ) from exc
         except redis.RedisError as exc:
             raise click.ClickException(
@@ -738,7 +767,7 @@ def key_command(
         prefix = _setting("key_prefix", options.prefix, "--prefix", None)
         task_prefix = task.lock_settings().key_prefix
         keys = RequestKeys.of_lock(prefix + keys.lock[len(task_prefix) :], task.name)
-    _emit(ctx, asdict(keys), keys.lock)
+    _emit(ctx, asdict(keys), _printable(keys.lock))
 
 
 @lock.command(name="release")
@@ -746,13 +775,13 @@ def key_command(
 @click.option("--force", is_flag=True, help="Required: the holder may still be running.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option(
-    "--holder", metavar="TASK_ID",
-    help="Release only a lease this task id holds (as show names it), without asking; another "
-    "holder's is kept, and the command fails.",
+    "--fence", type=int, metavar="FENCE",
+    help="Release only the lease granted with this fence (as ls and show print it), without "
+    "asking; a lease granted since is kept, and the command fails.",
 )  # fmt: skip
 @click.pass_context
 def release_command(
-    ctx: click.Context, key: str, force: bool, yes: bool, holder: str | None
+    ctx: click.Context, key: str, force: bool, yes: bool, fence: int | None
 ) -> None:
     """Delete a lease whoever holds it (its holder, if alive, finds it lost).
 
@@ -762,28 +791,34 @@ def release_command(
     admin = _admin(ctx, key)
     lock_key = admin.lock_key(key)
     released: LeaseInfo | None = None
-    if yes and holder is None:
+    if yes and fence is None:
         released = admin.take(lock_key)
     else:
-        # Delete only the lease there is, once it is known whose: not a lease that lapsed
-        # while the user read the question (or since show named its holder) and went to
-        # another holder.
+        # Delete only the lease there is, once it is known which: not a lease that lapsed
+        # while the user read the question (or since ls or show printed its fence) and was
+        # granted again, to another task id or to a redelivery of the same one.
         lease, holding = admin.lease(lock_key)
         if lease is not None:
-            if holder is not None and lease.task_id != holder:
-                raise click.ClickException(
-                    f"not released: {_printable(lock_key)} is {_held(lease, _inspect_command(ctx))}"
-                    f", not by {_printable(holder)}"
+            if fence is not None and lease.fence != fence:
+                what = (
+                    "a value celery-lock did not write"
+                    if lease.fence is None
+                    else f"the lease granted with fence {lease.fence} "
+                    f"({_held(lease, _inspect_command(ctx))})"
                 )
-            if holder is None:  # on stderr: stdout is for the result
+                raise click.ClickException(
+                    f"not released: {_printable(lock_key)} holds {what}, not the lease granted "
+                    f"with fence {fence}"
+                )
+            if fence is None:  # on stderr: stdout is for the result
                 held = _held(lease, _inspect_command(ctx))
                 click.confirm(f"Release {_printable(lock_key)}, {held}?", abort=True, err=True)
             outcome = admin.release(lock_key, holding)
             if outcome < 0:
                 raise click.ClickException(
                     f"not released: {_printable(lock_key)} changed hands "
-                    f"{'since it was read' if holder else 'while you were asked'} (run release "
-                    f"again to see its holder)"
+                    f"{'since it was read' if fence is not None else 'while you were asked'} "
+                    f"(run release again to see its holder)"
                 )
             released = lease if outcome > 0 else None
     data: dict[str, Any] = {"key": lock_key, "released": released is not None}

@@ -26,7 +26,7 @@ from conftest import granted
 
 from celery_lock.cli import LockAdmin
 from celery_lock.config import LockSettings
-from celery_lock.keys import KeyDeriver, RequestKeys, safe_key_part
+from celery_lock.keys import KeyDeriver, RequestKeys, safe_key_part, scope_key_part
 from celery_lock.lease import Acquired, HandOn, Holder, Lease, encode_lock, new_token
 from celery_lock.store import LockStore
 from celery_lock.testing import RedisServer, free_port
@@ -730,55 +730,72 @@ def test_release_yes_says_whose_lease_it_deleted(
     assert not store.client.exists(lease.keys.lock)
 
 
-def test_release_holder_deletes_only_that_holder_s_lease(
+def test_release_fence_deletes_only_the_lease_granted_with_that_fence(
     worker_env: dict[str, str], store: LockStore
 ) -> None:
-    # show named task-3; since then its lease lapsed and task-4 took the request: a script's
-    # release --holder task-3 keeps task-4's lease, and fails.
+    # ls printed task-3's lease with its fence; since then it lapsed and the request was granted
+    # again, to a redelivery of the same task id: release --fence keeps the new lease, and fails.
     lease = take(store, 3, "task-3")
     store.client.delete(lease.keys.lock)
-    second = take(store, 3, "task-4")
-    release = ["release", "storm.process:3", "--force", "--holder"]
-    refused = celery_lock_cli(worker_env, *release, "task-3")
+    second = take(store, 3, "task-3")
+    release = ["release", "storm.process:3", "--force", "--fence"]
+    refused = celery_lock_cli(worker_env, *release, str(lease.fence))
     assert refused.returncode == 1, refused.stderr
-    assert f"Error: not released: {lease.keys.lock} is held by task-4 (storm.process)" in (
-        refused.stderr
-    )
-    assert refused.stderr.rstrip().endswith(", not by task-3")
+    assert (
+        f"Error: not released: {lease.keys.lock} holds the lease granted with fence "
+        f"{second.fence} (held by task-3 (storm.process)"
+    ) in refused.stderr
+    assert refused.stderr.rstrip().endswith(f"not the lease granted with fence {lease.fence}")
     assert store.client.get(second.keys.lock) is not None
-    done = celery_lock_cli(worker_env, *release, "task-4")  # no question asked
+    done = celery_lock_cli(worker_env, *release, str(second.fence))  # no question asked
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().startswith(f"released {lease.keys.lock}, held by task-4 ")
+    assert done.stdout.strip().startswith(f"released {lease.keys.lock}, held by task-3 ")
     assert not store.client.exists(lease.keys.lock)
-    gone = celery_lock_cli(worker_env, *release, "task-4")
+    gone = celery_lock_cli(worker_env, *release, str(second.fence))
     assert (gone.returncode, gone.stdout.strip()) == (0, f"no lease at {lease.keys.lock}")
+    store.client.hset(lease.keys.lock, "owner", "someone")  # not celery-lock's: kept
+    foreign = celery_lock_cli(worker_env, *release, "1")
+    assert foreign.returncode == 1, foreign.stderr
+    assert "holds a value celery-lock did not write, not the lease granted with fence 1" in (
+        foreign.stderr
+    )
+    assert store.client.exists(lease.keys.lock)
 
 
-@pytest.mark.parametrize("command", ["release", "forget", "show"])
-def test_a_timeout_says_whether_a_deletion_may_have_been_made(
-    worker_env: dict[str, str], store: LockStore, command: str
+@pytest.mark.parametrize("fault", [redis.TimeoutError, redis.ConnectionError])
+@pytest.mark.parametrize(
+    ("command", "method", "wrote"),
+    [
+        (["release", "--force", "--yes"], "take", True),
+        (["forget"], "forget", True),
+        (["release", "--force"], "lease", False),  # the read before the question
+        (["show"], "show", False),
+    ],
+    ids=["release", "forget", "release-read", "show"],
+)
+def test_a_write_without_a_reply_says_it_may_have_been_made(
+    worker_env: dict[str, str], command: list[str], method: str, wrote: bool, fault: type[Exception]
 ) -> None:
-    # The store may take a write and stall before its reply: a release or forget that timed
-    # out may be done (or done later), which "failed" did not say.
-    def stalled(*_: Any, **__: Any) -> None:
-        raise redis.TimeoutError("Timeout reading from socket")
+    # The store may take a write and stall, or drop the connection, before its reply: a
+    # release or forget without one may be done (or done later), which "failed" did not say.
+    # Before the write went out, it did fail.
+    def no_reply(admin: LockAdmin, *_: Any, **__: Any) -> None:
+        admin.writing = wrote
+        raise fault("Timeout reading from socket")
 
-    take(store, 3, "task-3")
-    args = {"release": ["--force", "--yes"], "forget": [], "show": []}[command]
     url = worker_env["STORM_LOCK_URL"]
-    with (
-        mock.patch.object(LockAdmin, "take", stalled),
-        mock.patch.object(LockAdmin, "forget", stalled),
-        mock.patch.object(LockAdmin, "show", stalled),
-    ):
-        done = CliRunner().invoke(celery, ["lock", "--url", url, command, "storm.process:3", *args])
+    name, *options = command
+    with mock.patch.object(LockAdmin, method, no_reply):
+        done = CliRunner().invoke(celery, ["lock", "--url", url, name, "storm.process:3", *options])
     assert done.exit_code == 1, done.output
-    if command == "show":
-        assert "Error: the lock store did not answer in time: Timeout reading" in done.output
+    if wrote:
+        assert (
+            f"Error: the lock store did not answer ({fault.__name__}: Timeout reading from "
+            f"socket): what {name} was deleting may be deleted or not; `celery lock show` tells"
+        ) in done.output
     else:
         assert (
-            f"Error: the lock store did not answer in time (Timeout reading from socket): what "
-            f"{command} was deleting may be deleted or not; `celery lock show KEY` tells"
+            f"Error: the lock store failed: {fault.__name__}: Timeout reading from socket"
         ) in done.output
 
 
@@ -821,6 +838,20 @@ def test_a_scope_no_task_of_the_app_uses_is_warned_about(
     assert "done      storm.process by task-43" in known.stdout
     shared = celery_lock_cli(worker_env, "show", "request:43")  # a lock_scope of the app's
     assert "Warning" not in shared.stderr
+    # billing:eu, a lock_scope with a ':': typed whole, it names scope 'billing'; as stored, it
+    # is that scope.
+    colon = celery_lock_cli(worker_env, "show", "billing:eu:43")
+    assert (
+        "Warning: scope 'billing:eu' holds a ':', and 'billing:eu:43' names scope 'billing': "
+        "give the request's lock key (celery lock key derives it)"
+    ) in colon.stderr
+    stored = scope_key_part("billing:eu")
+    assert "Warning" not in celery_lock_cli(worker_env, "show", f"{stored}:43").stderr
+    # A hint only: an app module that fails to import does not stop the command.
+    broken = {**worker_env, "STORM_CONF": '{"include": ["tests.apps.no_such_module"]}'}
+    shown = celery_lock_cli(broken, "show", "storm.process:43")
+    assert shown.returncode == 0, shown.stderr
+    assert "done      storm.process by task-43" in shown.stdout
 
 
 def test_keys_that_are_not_utf_8_are_listed_and_named_back(
