@@ -1882,7 +1882,9 @@ def test_an_invalid_lock_key_annotated_on_a_class_registered_under_another_name_
     # copy of it, which a refusal must stay.
     annotated = Celery("annotated_cls", broker="memory://", set_as_current=False)
     annotated.conf.celery_lock_redis_url = "redis://127.0.0.1:1/0"
-    annotated.conf.task_annotations = {"*": {"lock_key": "orderid"}}
+    # By name, not "*": the app's finalizing binds the shared tasks other test modules made,
+    # and a LockedTask among them would be refused first, this one then never bound.
+    annotated.conf.task_annotations = {"annotated_cls.shipping": {"lock_key": "orderid"}}
 
     class Ship(LockedTask):
         name = "annotated_cls.shipping"
