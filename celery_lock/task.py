@@ -85,7 +85,7 @@ from .exceptions import (
 )
 from .heartbeat import Heartbeat, green_pool
 from .keys import NAMED_POSITIONAL, KeyDeriver, LockKeySpec, RefusedKeyDeriver, RequestKeys
-from .lease import Acquired, Done, HandOn, Held, Holder, Lease, new_token
+from .lease import Acquired, Done, HandOn, Held, Holder, Lease, decode_lock, new_token
 from .request import EXPIRED_FIELD, ExpiredCopy, SkippedCopy
 from .runtime import get_runtime
 from .states import skipped_marker, store_skipped
@@ -957,21 +957,30 @@ class LockedTask(Task):  # type: ignore[type-arg]
         kwargs: dict[str, Any],
         request: Any,
     ) -> None:
-        """Send a copy of the message of a run that lost its lease, which left no done-marker.
+        """Send a copy of the message of a run that lost its lease to a copy of its own task id.
 
-        Whatever the run's outcome, Celery acks its message, and that ack may take another
-        copy's message off the broker: a copy of the same task id granted the request once the
-        lease lapsed (a Redis visibility-timeout redelivery keeps the message's delivery tag,
-        and the ack of either removes both), or, on Celery 5.7, one whose worker is lost after
-        this run stored SUCCESS under the shared id (acked as "succeeded before the worker was
-        lost"). Should that copy die, nothing would bring the request back. The copy sent here
-        does: it waits while the request is held by its task id, is acked quietly once that
-        holder's done-marker is there, and runs the request if no holder finished it.
+        Whatever the run's outcome, Celery acks its message, and that ack may take the message
+        of the copy that holds the request now, if that copy has the same task id: a Redis
+        visibility-timeout redelivery keeps the message's delivery tag, and the ack of either
+        removes both; on Celery 5.7, a copy whose worker is lost after this run stored SUCCESS
+        under the shared id is acked as "succeeded before the worker was lost". Should that copy
+        die, nothing would bring the request back. The copy sent here does: it waits while its
+        task id holds the request, is acked quietly once that holder's done-marker is there, and
+        runs the request if the holder died. Only then: a lease lost with nobody taking over (a
+        store restarted, or down longer than the TTL) or taken by another task id leaves this
+        run's outcome as it stands, as before (a copy would run every such request twice).
         """
         if request.is_eager or request.called_directly or lease.retry_sent:
             return  # nothing acked, or a retry of this task id is on its way already
         if lease.handed_on is not None:
             return  # the replacement carries the request on
+        try:
+            held = lease.store.client.get(lease.keys.lock)
+            holder = decode_lock(held).holder.task_id if held is not None else None
+        except (redis.RedisError, ValueError, KeyError, TypeError):
+            return  # unreadable: its holder's own message is as safe as it was
+        if holder != lease.holder.task_id:
+            return
         with contextlib.suppress(Ignore):
             self._defer(args, kwargs, lease.keys, "lost", lease.holder.task_id, settings.ttl_ms)
 

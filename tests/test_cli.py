@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -384,22 +385,30 @@ def test_show_reports_a_fence_and_a_done_marker_that_are_not_strings(
         assert json.loads(shown)["fence"] == f"<not an integer: '{text}'>"
 
 
+@contextlib.contextmanager
+def acl_user(url: str, user: str, *rules: str) -> Iterator[str]:
+    """A URL of the lock store at ``url`` as ``user`` (password ``pw``) with the ACL ``rules``,
+    deleted at the end."""
+    admin = redis.Redis.from_url(url)
+    rules = ("on", ">pw", *rules)
+    try:  # redis-py's CLIENT SETINFO on connect: Redis 7.0 knows no such command, and refuses it
+        admin.execute_command("ACL", "SETUSER", user, *rules, "+client|setinfo")
+    except redis.ResponseError:
+        admin.execute_command("ACL", "SETUSER", user, *rules)
+    try:
+        yield url.replace("redis://", f"redis://{user}:pw@", 1)
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()
+
+
 @pytest.fixture
 def connect_only_url(worker_env: dict[str, str]) -> Iterator[str]:
     """A URL of the lock store as a user that may connect (and make the CLI's first round trip,
     ``SCRIPT EXISTS``) but not read or write any key."""
-    url = worker_env["STORM_LOCK_URL"]
-    admin = redis.Redis.from_url(url)
-    rules = ["on", ">pw", "-@all", "+script|exists", "+select"]
-    try:  # redis-py's CLIENT SETINFO on connect: Redis 7.0 knows no such command, and refuses it
-        admin.execute_command("ACL", "SETUSER", "cli-connect-only", *rules, "+client|setinfo")
-    except redis.ResponseError:
-        admin.execute_command("ACL", "SETUSER", "cli-connect-only", *rules)
-    try:
-        yield url.replace("redis://", "redis://cli-connect-only:pw@", 1)
-    finally:
-        admin.execute_command("ACL", "DELUSER", "cli-connect-only")
-        admin.close()
+    rules = ("-@all", "+script|exists", "+select")
+    with acl_user(worker_env["STORM_LOCK_URL"], "cli-connect-only", *rules) as url:
+        yield url
 
 
 @pytest.mark.parametrize(
@@ -800,19 +809,9 @@ def test_a_write_without_a_reply_says_it_may_have_been_made(
 
 
 def test_a_user_without_scripting_is_told_what_it_lacks(worker_env: dict[str, str]) -> None:
-    url = worker_env["STORM_LOCK_URL"]
-    admin = redis.Redis.from_url(url)
-    rules = ["on", ">pw", "~celery-lock:*", "+@read", "+select"]
-    try:  # redis-py's CLIENT SETINFO on connect: Redis 7.0 knows no such command, and refuses it
-        admin.execute_command("ACL", "SETUSER", "cli-read-only", *rules, "+client|setinfo")
-    except redis.ResponseError:
-        admin.execute_command("ACL", "SETUSER", "cli-read-only", *rules)
-    try:
-        read_only = url.replace("redis://", "redis://cli-read-only:pw@", 1)
+    rules = ("~celery-lock:*", "+@read", "+select")
+    with acl_user(worker_env["STORM_LOCK_URL"], "cli-read-only", *rules) as read_only:
         done = celery_lock_cli(worker_env, "--url", read_only, "ls")
-    finally:
-        admin.execute_command("ACL", "DELUSER", "cli-read-only")
-        admin.close()
     assert done.returncode == 1, done.stderr
     assert "Error: the lock store's user may not send SCRIPT EXISTS, which every command sends" in (
         done.stderr

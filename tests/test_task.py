@@ -1071,21 +1071,16 @@ def test_lost_lease_is_reported_to_body_and_signal(
             keys = tasks["slow"].request_keys((7,), {})
             lock_redis.set(keys.lock, "someone-else 99 {}", keepttl=True)  # taken over
             wait_for("lock_lost", lambda: lost, TIMEOUT)
-            lock_redis.delete(keys.lock)  # and let go, before the copy below can come
             calls.proceed.set()
             assert result.get(timeout=TIMEOUT) is True
         finally:
             calls.proceed.set()  # never leave the body waiting on a failed test
-        assert [sent["lock_key"] for sent in lost] == [keys.lock]
-        # Its ack may have taken another copy's message (the same task id granted the lapsed
-        # lease): it sent a copy of its own, which runs the request once the taker is gone.
-        wait_for("the copy of the lost run", lambda: deferred, TIMEOUT)
-        assert [(d["task_id"], d["reason"]) for d in deferred] == [(result.id, "lost")]
-        wait_for("the rerun", lambda: calls.count("t.slow") == 2, TIMEOUT)
-    assert [call["fence"] for call in calls.seen][1] > calls.seen[0]["fence"]
-    # The lost run wrote no done-marker; the rerun, under a lease it kept, did.
-    wait_for("the rerun's done-marker", lambda: lock_redis.get(keys.done), TIMEOUT)
-    assert lock_redis.get(keys.done) == result.id.encode()
+    assert [sent["lock_key"] for sent in lost] == [keys.lock]
+    assert not lock_redis.exists(keys.done)
+    # Taken by another task id (not a copy of this message, which its ack could take off the
+    # broker): no copy of the message is sent, and the request does not run again.
+    assert deferred == []
+    assert calls.count("t.slow") == 1
 
 
 def test_signals_acquired_and_released(worker: Any, tasks: dict[str, Any]) -> None:
