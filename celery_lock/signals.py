@@ -29,7 +29,7 @@ lock_skipped = Signal(
 
 #: A copy was handed back to the broker to run later. Extra arguments: ``reason``
 #: (``"redelivered"``, ``"contention"``, ``"duplicate"``, ``"store-unavailable"``, or
-#: ``"lost"``: the copy a run that lost its lease to its own task id sends as it ends), ``holder``,
+#: ``"lost"``: the copy a run that lost its lease to another grant sends as it ends), ``holder``,
 #: ``countdown``.
 lock_deferred = Signal(
     name="lock_deferred",

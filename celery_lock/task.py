@@ -945,8 +945,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 raise Reject(repr(exc), requeue=True) from exc
             raise
         finally:
-            self._release(lease, settings, heartbeat, success=success)
-            if lease.lost and not requeued:
+            answered = self._release(lease, settings, heartbeat, success=success)
+            if lease.lost and answered and not requeued:
                 self._hand_on_after_loss(lease, settings, args, kwargs, request)
 
     def _hand_on_after_loss(
@@ -957,30 +957,37 @@ class LockedTask(Task):  # type: ignore[type-arg]
         kwargs: dict[str, Any],
         request: Any,
     ) -> None:
-        """Send a copy of the message of a run that lost its lease to a copy of its own task id.
+        """Send a copy of the message of a run that lost its lease to another grant.
 
         Whatever the run's outcome, Celery acks its message, and that ack may take the message
-        of the copy that holds the request now, if that copy has the same task id: a Redis
+        of the copy granted the request since, if that copy has the same task id: a Redis
         visibility-timeout redelivery keeps the message's delivery tag, and the ack of either
         removes both; on Celery 5.7, a copy whose worker is lost after this run stored SUCCESS
         under the shared id is acked as "succeeded before the worker was lost". Should that copy
         die, nothing would bring the request back. The copy sent here does: it waits while its
-        task id holds the request, is acked quietly once that holder's done-marker is there, and
-        runs the request if the holder died. Only then: a lease lost with nobody taking over (a
-        store restarted, or down longer than the TTL) or taken by another task id leaves this
-        run's outcome as it stands, as before (a copy would run every such request twice).
+        task id holds the request, is acked quietly once a done-marker is there, and runs the
+        request if the holder died. Sent when the request is held by this task id, or held by
+        nobody, not done, with a fence above this run's (granted since, to a holder that died,
+        its lease lapsed). Not sent for a lease lost with nobody granted since (a store down
+        longer than the TTL, or restarted with its fences lost), or held by another task id, or
+        done: this run's outcome stands, as before (a copy would run such requests twice).
+        Called only when the release got an answer: a store that did not answer is not asked
+        again (the pool process would wait out another socket timeout).
         """
         if request.is_eager or request.called_directly or lease.retry_sent:
             return  # nothing acked, or a retry of this task id is on its way already
         if lease.handed_on is not None:
             return  # the replacement carries the request on
+        keys = lease.keys
         try:
-            held = lease.store.client.get(lease.keys.lock)
-            holder = decode_lock(held).holder.task_id if held is not None else None
+            held, fence, done = lease.store.client.mget(keys.lock, keys.fence, keys.done)
+            if held is not None:
+                if decode_lock(held).holder.task_id != lease.holder.task_id:
+                    return  # another task id's message is not this one's to take
+            elif done is not None or fence is None or int(fence) <= lease.fence:
+                return  # done, or nobody granted it since
         except (redis.RedisError, ValueError, KeyError, TypeError):
-            return  # unreadable: its holder's own message is as safe as it was
-        if holder != lease.holder.task_id:
-            return
+            return  # unreadable: the holder's own message is as safe as it was before
         with contextlib.suppress(Ignore):
             self._defer(args, kwargs, lease.keys, "lost", lease.holder.task_id, settings.ttl_ms)
 

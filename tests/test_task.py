@@ -1083,6 +1083,28 @@ def test_lost_lease_is_reported_to_body_and_signal(
     assert calls.count("t.slow") == 1
 
 
+def test_a_lost_run_whose_taker_died_unfinished_sends_a_copy_that_runs_the_request(
+    worker: Any, tasks: dict[str, Any], calls: Calls, lock_redis: redis.Redis
+) -> None:
+    # Granted since (the fence moved on), to a holder that died, its lease lapsed, no done-marker:
+    # if that was a copy of this task id, this run's ack took its message (a Redis redelivery
+    # keeps the delivery tag), and only a copy of this one brings the request back.
+    with recording(signals.lock_deferred) as deferred:
+        try:
+            result = tasks["slow"].delay(7)
+            assert calls.started.wait(TIMEOUT)
+            keys = tasks["slow"].request_keys((7,), {})
+            lock_redis.delete(keys.lock)
+            lock_redis.incr(keys.fence)  # the taker's grant
+        finally:
+            calls.proceed.set()
+        wait_for("the copy of the lost run", lambda: deferred, TIMEOUT)
+        assert [(d["task_id"], d["reason"]) for d in deferred] == [(result.id, "lost")]
+        wait_for("the rerun", lambda: calls.count("t.slow") == 2, TIMEOUT)
+    assert calls.seen[1]["fence"] > calls.seen[0]["fence"] + 1
+    wait_for("the rerun's done-marker", lambda: lock_redis.get(keys.done), TIMEOUT)
+
+
 def test_signals_acquired_and_released(worker: Any, tasks: dict[str, Any]) -> None:
     sent: list[tuple[str, dict[str, Any]]] = []
 
