@@ -71,6 +71,7 @@ except ImportError:  # Celery before 5.6.3
     _get_actual_ignore_result = None
 
 from . import signals
+from .bases import check_call_order
 from .config import LockSettings, check_option_names
 from .delivery import copy_delivery, returns_uncounted, within_visibility
 from .events import TASK_LOCK_LOST, TASK_SKIPPED, send_task_event_apart
@@ -221,80 +222,6 @@ def _made_inside(holder: str, lock_key: str, request: Any) -> bool:
     return False
 
 
-def _check_no_call_hidden(cls: type[LockedTask]) -> None:
-    """Refuse a class whose ``__call__`` would skip ``LockedTask.__call__``, or be skipped.
-
-    ``LockedTask.__call__`` runs the body itself, inside the lease, and calls no ``__call__``
-    after its own: a base class of the user's (tracing, a tenant's context) placed after it,
-    as in ``class T(LockedTask, MyBase)``, would never run, and say nothing. One placed before
-    it must call ``super().__call__``: one that calls ``self.run`` itself (Flask's recipe for
-    a ``task_cls``) would run every call unlocked, and say nothing either. That is told from
-    the function's code, so only where it says so (see :func:`_skips_super_call`).
-
-    Raises:
-        ConfigurationError: naming the class and the order, or the call, that works.
-    """
-    name = f"{cls.__module__}.{cls.__qualname__}"
-    mro = cls.__mro__
-    at = mro.index(LockedTask)
-    for klass in mro[:at]:
-        if _skips_super_call(klass.__dict__.get("__call__")):
-            raise ConfigurationError(
-                name,
-                f"{_shown_class(klass)}.__call__ calls self.run (or Task.__call__), not "
-                f"super().__call__, so LockedTask's never runs: no call of the task would be "
-                f"locked; have it return super().__call__(*args, **kwargs) instead",
-            )
-    for klass in mro[at + 1 :]:
-        if klass is Task:
-            return
-        if "__call__" in klass.__dict__:
-            raise ConfigurationError(
-                name,
-                f"{_shown_class(klass)}.__call__ would never run: LockedTask comes before it "
-                f"and runs the body itself; {_order_that_runs(cls, klass)}, so that its "
-                f"__call__ runs and calls super().__call__",
-            )
-
-
-def _skips_super_call(call: Any) -> bool:
-    """Whether ``call``, a ``__call__`` defined before ``LockedTask``'s, says in its code that
-    it runs the body itself: it names ``run`` (or ``Task`` and ``__call__``) and neither
-    ``super`` nor ``LockedTask``. A decorator's wrapper is looked through (``__wrapped__``);
-    what is no Python function (compiled, a ``partialmethod``) is taken on trust."""
-    if call is None:
-        return False
-    function = inspect.unwrap(call) if callable(call) else call
-    if not inspect.isfunction(function) or function is LockedTask.__call__:
-        return False
-    names = set(function.__code__.co_names)
-    if names & {"super", "LockedTask"}:
-        return False
-    return "run" in names or {"Task", "__call__"} <= names
-
-
-def _order_that_runs(cls: type[LockedTask], hidden: type) -> str:
-    """How to list ``cls``'s bases so that ``hidden``'s ``__call__`` comes before
-    ``LockedTask``'s: each base listed after the first that brings ``LockedTask`` and that
-    brings ``hidden`` is moved before that one."""
-    bases = list(cls.__bases__)
-    first = next(i for i, base in enumerate(bases) if LockedTask in base.__mro__)
-    moved = [b for b in bases[first + 1 :] if hidden in b.__mro__ and LockedTask not in b.__mro__]
-    if not moved:
-        return f"list {_shown_class(hidden)} before LockedTask"
-    order = bases[:first] + moved + [b for b in bases[first:] if b not in moved]
-    first_ones, listed = (", ".join(_shown_class(b) for b in some) for some in (moved, order))
-    return f"list {first_ones} first (class {cls.__name__}({listed}))"
-
-
-def _shown_class(klass: type) -> str:
-    """A class's name for a message: ``app.Task`` for the class an app makes of its
-    ``task_cls`` (named ``Task``, as ``celery.Task`` is)."""
-    if klass.__name__ == "Task" and klass is not Task and "_app" in klass.__dict__:
-        return "app.Task"
-    return klass.__name__
-
-
 def _check_scope(task_name: str, scope: Any) -> None:
     """Refuse a ``lock_scope`` that is neither ``None`` nor a non-empty string.
 
@@ -400,7 +327,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Check the lock options when the task class is created (decoration or finalize)."""
         super().__init_subclass__(**kwargs)
-        _check_no_call_hidden(cls)
+        check_call_order(cls, LockedTask)
         cls._check_lock_options()
 
     @classmethod

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -267,7 +268,7 @@ def tasks(celery_app: Celery, calls: Calls) -> dict[str, Any]:
             calls.seen.append({"task": "traced.__call__", "fence": fence})
             return super().__call__(*args, **kwargs)
 
-    class TracedLocked(Traced, LockedTask):  # the order _check_no_call_hidden asks for
+    class TracedLocked(Traced, LockedTask):  # the order check_call_order asks for
         pass
 
     @celery_app.task(base=TracedLocked, bind=True, lock_key="request_idx", name="t.traced")
@@ -2244,7 +2245,7 @@ def test_a_base_whose_call_skips_locked_task_s_is_refused_at_class_creation() ->
 
     flask_app = Celery("flask_base", task_cls=FlaskTask, set_as_current=False)
     calls_no_super = (
-        r"FlaskTask\.__call__ calls self\.run \(or Task\.__call__\), not super\(\)\.__call__, "
+        r"FlaskTask\.__call__ calls self\.run, not super\(\)\.__call__, "
         r"so LockedTask's never runs: no call of the task would be locked; have it return "
         r"super\(\)\.__call__\(\*args, \*\*kwargs\) instead"
     )
@@ -2288,6 +2289,92 @@ def test_a_base_whose_call_skips_locked_task_s_is_refused_at_class_creation() ->
     ):
         type("L", (tenant_app.Task, LockedTask, Tenant), {})
     type("L", (tenant_app.Task, Tenant, LockedTask), {})
+
+
+def _flask_before_1_0(task_cls: type[Task]) -> type[Task]:
+    """Flask's recipe before 1.0: the app's Task held in a closure variable and called by it."""
+    celery = Celery("flask_0", task_cls=task_cls, set_as_current=False)
+    TaskBase = celery.Task
+
+    class ContextTask(TaskBase):  # type: ignore[valid-type,misc]
+        abstract = True
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            with contextlib.nullcontext():  # app.app_context()
+                return TaskBase.__call__(self, *args, **kwargs)
+
+    return ContextTask
+
+
+class _Nested(Task):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        def inner() -> Any:
+            return self.run(*args, **kwargs)
+
+        return inner()
+
+
+class _ByName(Task):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, "run")(*args, **kwargs)  # noqa: B009
+
+
+class _SuperOfLocked(Task):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return super(LockedTask, self).__call__(*args, **kwargs)  # type: ignore[misc]
+
+
+class _TaskCall(Task):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return Task.__call__(self, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("base", "call"),
+    [
+        (_flask_before_1_0(Task), "TaskBase.__call__"),
+        (_Nested, "self.run"),
+        (_ByName, "getattr(self, 'run')"),
+        (_SuperOfLocked, "super(LockedTask, self).__call__"),
+        (_TaskCall, "Task.__call__"),
+    ],
+    ids=["flask-before-1.0", "nested-function", "getattr", "super-of-locked-task", "task-call"],
+)
+def test_a_base_running_the_body_without_locked_task_s_call_is_refused(
+    base: type[Task], call: str
+) -> None:
+    # Each ran every call unlocked, listed before LockedTask; the call is read from the code,
+    # resolving the names it calls through (a closure's TaskBase, a global's Task).
+    with pytest.raises(ConfigurationError, match=rf"calls {re.escape(call)}, not super"):
+        type("Unlocked", (base, LockedTask), {})
+
+
+def test_a_base_whose_call_reaches_locked_task_s_is_accepted() -> None:
+    class OwnSuper(Task):  # Python 2's spelling of super()
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super(OwnSuper, self).__call__(*args, **kwargs)  # noqa: UP008
+
+    type("Locked", (OwnSuper, LockedTask), {})
+    # Flask's recipe before 1.0 on an app whose task_cls is LockedTask: TaskBase.__call__ is
+    # LockedTask's.
+    type("Locked", (_flask_before_1_0(LockedTask),), {})
+
+
+def test_every_base_whose_call_locked_task_would_hide_is_moved_in_the_order_asked() -> None:
+    class Traced(Task):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)
+
+    class Tenant(Task):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)
+
+    with pytest.raises(
+        ConfigurationError,
+        match=r"list Traced, Tenant first \(class H\(Traced, Tenant, LockedTask\)\)",
+    ):
+        type("H", (LockedTask, Traced, Tenant), {})
+    type("H", (Traced, Tenant, LockedTask), {})
 
 
 def test_track_started_is_taken_from_where_celery_would_take_it() -> None:
