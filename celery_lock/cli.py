@@ -696,7 +696,7 @@ def ls_command(ctx: click.Context) -> None:
 @click.argument("key")
 @click.pass_context
 def show_command(ctx: click.Context, key: str) -> None:
-    """Show one request's lease, fence counter and done-markers.
+    """Show one request's lease, fence and done-markers.
 
     KEY names the request: one of its keys, as ls lists them, or <scope>:<request key>."""
     info = _admin(ctx, key).show(key)
@@ -709,10 +709,21 @@ def show_command(ctx: click.Context, key: str) -> None:
         task_id, task, worker = (_printable(lease[f]) for f in ("task_id", "task", "worker"))
         lines += [f"holder    {task_id} ({task}) on {worker}",
                   f"age       {age}, {_left(lease['ttl_left_s'])}"]  # fmt: skip
-    lines.append(f"fence     {'none' if info['fence'] is None else info['fence']}")
+    lines.append(f"fence     {_fence_shown(lease, info['fence'])}")
     lines += [f"done      {_printable(task)} {_how_done(d)} ({_left(d['ttl_left_s'], 0)})"
               for task, d in sorted(info["done"].items())] or ["done      none"]  # fmt: skip
     _emit(ctx, info, "\n".join(lines))
+
+
+def _fence_shown(lease: dict[str, Any] | None, counter: int | str | None) -> str:
+    """``show``'s fence line: the lease's own fence where there is a lease (what ``release
+    --fence`` takes), the counter beside it where a grant since read moved it on; else the
+    counter, the last grant's fence."""
+    if lease is None or lease["fence"] is None:
+        return "none" if counter is None else str(counter)
+    if counter == lease["fence"]:
+        return str(lease["fence"])
+    return f"{lease['fence']} (the counter is at {'none' if counter is None else counter})"
 
 
 def _how_done(marker: dict[str, Any]) -> str:

@@ -137,6 +137,25 @@ def test_show_reports_lease_fence_and_done_markers(
     assert info["done"]["storm.process"]["task_id"] == "task-5"
     text = celery_lock_cli(worker_env, "show", "celery-lock:{storm.process:5}:lock").stdout
     assert "holder    task-6 (storm.next) on host-a:4242" in text
+    assert f"fence     {completed.fence + 1}\n" in text
+
+
+def test_show_s_fence_line_is_the_lease_s_own_which_release_fence_takes(
+    worker_env: dict[str, str], store: LockStore
+) -> None:
+    # The counter moved on since the lease was granted (a grant between the reads of a show
+    # that scans first): the line showed the counter, and release --fence given it refused to
+    # delete the lease shown, or deleted a newer one.
+    lease = take(store, 8, "task-8")
+    store.client.incrby(lease.keys.fence, 5)
+    shown = celery_lock_cli(worker_env, "show", "storm.process:8")
+    assert f"fence     {lease.fence} (the counter is at {lease.fence + 5})\n" in shown.stdout
+    fence = shown.stdout.split("fence     ")[1].split()[0]
+    released = celery_lock_cli(
+        worker_env, "release", "--force", "storm.process:8", "--fence", fence
+    )
+    assert released.returncode == 0, released.stderr
+    assert store.client.get(lease.keys.lock) is None
 
 
 def test_text_output_escapes_what_a_terminal_would_act_on_in_what_the_store_holds(
