@@ -792,23 +792,62 @@ def test_release_fence_deletes_only_the_lease_granted_with_that_fence(
 
 @pytest.mark.parametrize("fault", [redis.TimeoutError, redis.ConnectionError])
 @pytest.mark.parametrize(
-    ("command", "method", "wrote"),
+    ("command", "sends"),
     [
-        (["release", "--force", "--yes"], "take", True),
-        (["forget"], "forget", True),
-        (["release", "--force"], "lease", False),  # the read before the question
-        (["show"], "show", False),
+        (["release", "--force", "--yes"], "eval"),
+        (["release", "--force", "--fence", "{fence}"], "eval"),
+        (["forget"], "pipeline"),  # every task's done-marker, found by a scan
+        (["forget", "--task", "storm.process"], "delete"),  # one, by its key
     ],
-    ids=["release", "forget", "release-read", "show"],
+    ids=["release-yes", "release-fence", "forget", "forget-task"],
 )
 def test_a_write_without_a_reply_says_it_may_have_been_made(
-    worker_env: dict[str, str], command: list[str], method: str, wrote: bool, fault: type[Exception]
+    worker_env: dict[str, str],
+    store: LockStore,
+    command: list[str],
+    sends: str,
+    fault: type[Exception],
 ) -> None:
     # The store may take a write and stall, or drop the connection, before its reply: a
     # release or forget without one may be done (or done later), which "failed" did not say.
-    # Before the write went out, it did fail.
-    def no_reply(admin: LockAdmin, *_: Any, **__: Any) -> None:
-        admin.writing = wrote
+    # The fault comes from the client, as the command sends its write.
+    fence = done_then_held_by_the_next_stage(store, 3).fence + 1
+    real_execute = redis.client.Pipeline.execute
+
+    def no_reply(*_: Any, **__: Any) -> None:
+        raise fault("Timeout reading from socket")
+
+    def no_reply_to_deletes(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(command[0][0] == "DEL" for command in pipe.command_stack):
+            no_reply()
+        return real_execute(pipe, *args, **kwargs)
+
+    target, faulty = {
+        "eval": ("redis.Redis.eval", no_reply),
+        "delete": ("redis.Redis.delete", no_reply),
+        "pipeline": ("redis.client.Pipeline.execute", no_reply_to_deletes),
+    }[sends]
+    name, *options = (part.format(fence=fence) for part in command)
+    url = worker_env["STORM_LOCK_URL"]
+    with mock.patch(target, faulty):
+        done = CliRunner().invoke(celery, ["lock", "--url", url, name, "storm.process:3", *options])
+    assert done.exit_code == 1, done.output
+    assert (
+        f"Error: the lock store did not answer ({fault.__name__}: Timeout reading from "
+        f"socket): what {name} was deleting may be deleted or not; `celery lock show` tells"
+    ) in done.output
+
+
+@pytest.mark.parametrize("fault", [redis.TimeoutError, redis.ConnectionError])
+@pytest.mark.parametrize(
+    ("command", "method"),
+    [(["release", "--force"], "lease"), (["show"], "show")],  # release: the read before asking
+    ids=["release-read", "show"],
+)
+def test_a_read_without_a_reply_says_the_command_failed(
+    worker_env: dict[str, str], command: list[str], method: str, fault: type[Exception]
+) -> None:
+    def no_reply(*_: Any, **__: Any) -> None:
         raise fault("Timeout reading from socket")
 
     url = worker_env["STORM_LOCK_URL"]
@@ -816,15 +855,9 @@ def test_a_write_without_a_reply_says_it_may_have_been_made(
     with mock.patch.object(LockAdmin, method, no_reply):
         done = CliRunner().invoke(celery, ["lock", "--url", url, name, "storm.process:3", *options])
     assert done.exit_code == 1, done.output
-    if wrote:
-        assert (
-            f"Error: the lock store did not answer ({fault.__name__}: Timeout reading from "
-            f"socket): what {name} was deleting may be deleted or not; `celery lock show` tells"
-        ) in done.output
-    else:
-        assert (
-            f"Error: the lock store failed: {fault.__name__}: Timeout reading from socket"
-        ) in done.output
+    assert f"Error: the lock store failed: {fault.__name__}: Timeout reading from socket" in (
+        done.output
+    )
 
 
 def test_a_user_without_scripting_is_told_what_it_lacks(worker_env: dict[str, str]) -> None:

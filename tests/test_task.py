@@ -2195,6 +2195,16 @@ def test_a_long_deferred_copy_waits_at_most_a_minute(pttl_ms: int) -> None:
     assert max(delays) - min(delays) > 0.2 * 60, delays
 
 
+def _traced(call: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator as tracing libraries write them: its wrapper calls what it wraps."""
+
+    @functools.wraps(call)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    return wrapper
+
+
 def test_a_base_listed_before_locked_task_has_its_call_run_around_the_locked_body(
     worker: Any, tasks: dict[str, Any], calls: Calls
 ) -> None:
@@ -2263,15 +2273,8 @@ def test_a_base_whose_call_skips_locked_task_s_is_refused_at_class_creation() ->
 
     type("Locked", (Explicit, LockedTask), {})
 
-    def traced(call: Callable[..., Any]) -> Callable[..., Any]:  # as tracing libraries wrap
-        @functools.wraps(call)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return call(*args, **kwargs)
-
-        return wrapper
-
     class Decorated(Task):  # the wrapper names no super: what it wraps does
-        @traced
+        @_traced
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             return super().__call__(*args, **kwargs)
 
@@ -2314,6 +2317,12 @@ class _Nested(Task):
         return inner()
 
 
+class _Decorated(Task):
+    @_traced
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
 class _ByName(Task):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return getattr(self, "run")(*args, **kwargs)  # noqa: B009
@@ -2334,11 +2343,19 @@ class _TaskCall(Task):
     [
         (_flask_before_1_0(Task), "TaskBase.__call__"),
         (_Nested, "self.run"),
+        (_Decorated, "self.run"),
         (_ByName, "getattr(self, 'run')"),
         (_SuperOfLocked, "super(LockedTask, self).__call__"),
         (_TaskCall, "Task.__call__"),
     ],
-    ids=["flask-before-1.0", "nested-function", "getattr", "super-of-locked-task", "task-call"],
+    ids=[
+        "flask-before-1.0",
+        "nested-function",
+        "decorated",
+        "getattr",
+        "super-of-locked-task",
+        "task-call",
+    ],
 )
 def test_a_base_running_the_body_without_locked_task_s_call_is_refused(
     base: type[Task], call: str
