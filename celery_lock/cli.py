@@ -533,6 +533,8 @@ def _unknown_scope(app: Celery, prefix: str, name: str) -> str | None:
         )
     meant = difflib.get_close_matches(scope, sorted(scopes), n=1, cutoff=0.4)
     hint = f"; did you mean {meant[0]!r}?" if meant else ""
+    if meant and ":" in meant[0]:  # typed before a request key, it would be split at its ':'
+        hint += " It holds a ':': give the request's lock key (celery lock key derives it)"
     return f"no LockedTask of this app has scope {scope!r} (its task name or lock_scope){hint}"
 
 
@@ -633,8 +635,8 @@ class _LockGroup(click.Group):
             # before the reply: it may be done, or done later (a stalled store), or never.
             raise click.ClickException(
                 f"the lock store did not answer ({type(exc).__name__}: {exc}): what "
-                f"{ctx.invoked_subcommand} was deleting may be deleted or not; `celery lock "
-                f"show` tells"
+                f"{ctx.invoked_subcommand} was deleting may be deleted or not; `lock show` "
+                f"with the same key and options tells"
             ) from exc
         except redis.RedisError as exc:
             raise click.ClickException(

@@ -834,7 +834,8 @@ def test_a_write_without_a_reply_says_it_may_have_been_made(
     assert done.exit_code == 1, done.output
     assert (
         f"Error: the lock store did not answer ({fault.__name__}: Timeout reading from "
-        f"socket): what {name} was deleting may be deleted or not; `celery lock show` tells"
+        f"socket): what {name} was deleting may be deleted or not; `lock show` with the same key "
+        f"and options tells"
     ) in done.output
 
 
@@ -898,6 +899,12 @@ def test_a_scope_no_task_of_the_app_uses_is_warned_about(
     ) in colon.stderr
     stored = scope_key_part("billing:eu")
     assert "Warning" not in celery_lock_cli(worker_env, "show", f"{stored}:43").stderr
+    # The closest scope may hold a ':' too: typed as suggested, it would name another.
+    typo = celery_lock_cli(worker_env, "show", "biling:43")
+    assert (
+        "did you mean 'billing:eu'? It holds a ':': give the request's lock key (celery lock key "
+        "derives it)\n"
+    ) in typo.stderr
     # A hint only: an app module that fails to import does not stop the command.
     broken = {**worker_env, "STORM_CONF": '{"include": ["tests.apps.no_such_module"]}'}
     shown = celery_lock_cli(broken, "show", "storm.process:43")
