@@ -847,8 +847,13 @@ def _was_held(lease: LeaseInfo) -> str:
     """Whose ``lease`` was, as ``release`` reports it once it is deleted."""
     if lease.fence is None:
         return "which held a value celery-lock did not write"
+    return f"held by {_holder(lease)}"
+
+
+def _holder(lease: LeaseInfo) -> str:
+    """``<task id> (<task>) on <worker>``, made printable."""
     task_id, task, worker = (_printable(text) for text in (lease.task_id, lease.task, lease.worker))
-    return f"held by {task_id} ({task}) on {worker}"
+    return f"{task_id} ({task}) on {worker}"
 
 
 def _inspect_command(ctx: click.Context) -> str:
@@ -867,10 +872,9 @@ def _held(lease: LeaseInfo, inspect: str = "celery inspect") -> str:
     if lease.fence is None:  # every lease celery-lock writes has one
         return f"which holds a value celery-lock did not write ({left})"
     age = "an unknown time" if lease.age_s is None else f"{lease.age_s:.1f}s"
-    task_id, task, worker = (_printable(text) for text in (lease.task_id, lease.task, lease.worker))
     return (
-        f"held by {task_id} ({task}) on {worker} for {age} ({left}; alive if "
-        f"`{inspect} query_task {shlex.quote(task_id)}` finds it active)"  # the producer's text
+        f"{_was_held(lease)} for {age} ({left}; alive if `{inspect} query_task "
+        f"{shlex.quote(_printable(lease.task_id))}` finds it active)"  # the producer's text
     )
 
 

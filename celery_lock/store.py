@@ -785,6 +785,22 @@ class LockStore:
             return None
         return bool(reply == 1)
 
+    def granted_again(self, lease: Lease) -> bool:
+        """Whether the request of ``lease``, a lease lost, was granted since to a copy whose
+        message the lost run's ack may take, and is not done: held by the same task id now, or
+        held by nobody, not done, with a fence above the lease's (granted to a holder that died
+        since, its lease lapsed). One ``MGET``, not tried again: ``False`` if the store does not
+        answer, or a key holds something celery-lock did not write (for a caller that does
+        without an answer, as before it asked)."""
+        keys = lease.keys
+        try:
+            held, fence, done = self.client.mget(keys.lock, keys.fence, keys.done)
+            if held is not None:
+                return decode_lock(held).holder.task_id == lease.holder.task_id
+            return done is None and fence is not None and int(fence) > lease.fence
+        except (redis.RedisError, ValueError, KeyError, TypeError):
+            return False
+
     def withdraw_hand_on(
         self, keys: RequestKeys, task_id: str, hand_on: HandOn, *, most_ttl_left_ms: int = 0
     ) -> bool | None:

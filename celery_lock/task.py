@@ -86,7 +86,7 @@ from .exceptions import (
 )
 from .heartbeat import Heartbeat, green_pool
 from .keys import NAMED_POSITIONAL, KeyDeriver, LockKeySpec, RefusedKeyDeriver, RequestKeys
-from .lease import Acquired, Done, HandOn, Held, Holder, Lease, decode_lock, new_token
+from .lease import Acquired, Done, HandOn, Held, Holder, Lease, new_token
 from .request import EXPIRED_FIELD, ExpiredCopy, SkippedCopy
 from .runtime import get_runtime
 from .states import skipped_marker, store_skipped
@@ -905,16 +905,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
             return  # nothing acked, or a retry of this task id is on its way already
         if lease.handed_on is not None:
             return  # the replacement carries the request on
-        keys = lease.keys
-        try:
-            held, fence, done = lease.store.client.mget(keys.lock, keys.fence, keys.done)
-            if held is not None:
-                if decode_lock(held).holder.task_id != lease.holder.task_id:
-                    return  # another task id's message is not this one's to take
-            elif done is not None or fence is None or int(fence) <= lease.fence:
-                return  # done, or nobody granted it since
-        except (redis.RedisError, ValueError, KeyError, TypeError):
-            return  # unreadable: the holder's own message is as safe as it was before
+        if not lease.store.granted_again(lease):
+            return  # another task id's message is not this one's to take, or done, or nobody's
         with contextlib.suppress(Ignore):
             self._defer(args, kwargs, lease.keys, "lost", lease.holder.task_id, settings.ttl_ms)
 

@@ -451,3 +451,24 @@ def test_scripts_replicate_their_effects_where_the_server_would_replicate_them_v
         assert 0 < copy.pttl(KEYS.lock) <= ttl_ms
         assert 0 < copy.pttl(KEYS.fence) <= FENCE_TTL_MS
         copy.replicaof("no", "one")
+
+
+def test_granted_again_tells_a_lost_lease_s_request_taken_by_a_copy_whose_message_it_may_take(
+    lock_url: str, lock_redis: redis.Redis
+) -> None:
+    store = LockStore.from_url(lock_url)
+    lost = lease_for(store, new_token(), granted(acquire(store, new_token())))
+    lock_redis.delete(KEYS.lock)  # lapsed
+    assert not store.granted_again(lost)  # nobody granted it since
+    same_id = granted(acquire(store, new_token(), Holder("task-1", "shop.process", "host-b", 9)))
+    assert store.granted_again(lost)  # a redelivery of its own task id holds it
+    lock_redis.delete(KEYS.lock)
+    assert same_id > lost.fence
+    assert store.granted_again(lost)  # granted since, to a holder that died: nobody's now
+    lock_redis.set(KEYS.done, "task-1")
+    assert not store.granted_again(lost)  # done
+    lock_redis.delete(KEYS.done)
+    acquire(store, new_token(), OTHER)
+    assert not store.granted_again(lost)  # another task id's message is not its to take
+    lock_redis.set(KEYS.lock, "not a lease")
+    assert not store.granted_again(lost)  # unreadable: as if it had not asked
