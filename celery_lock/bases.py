@@ -7,12 +7,15 @@ before it and calling the body itself, every call runs unlocked. Both would say 
 both are refused when the class is created (:func:`check_call_order`).
 
 Whether a ``__call__`` calls the body itself is read from its code (:mod:`dis`), so only what its
-code says is known: a call of ``run`` on anything, ``getattr(..., "run")``, ``X.__call__`` where
-``X`` is a task class (a global or a closure variable) that is no ``LockedTask``, or
-``super(X, self).__call__`` where ``X`` comes at or after ``LockedTask``; nested functions
-included. A wrapper a decorator made is looked through (``__wrapped__``). What is no Python
-function (compiled code, a ``partialmethod``) is taken on trust, as is a name the check cannot
-resolve.
+code says is known: a call of ``run`` (or of ``__wrapped__``, the function a task was made of) on
+anything, ``getattr(..., "run")``, Celery's own ``Task.__call__`` however it is named
+(``X.__call__`` where ``X``, a global or a closure variable, is a task class whose ``__call__``
+is ``Task``'s), or ``super(X, self).__call__`` where ``X`` comes at or after ``LockedTask``. Read
+with it: the functions it defines inside, the functions a decorator's wrapper holds (by
+``__wrapped__`` or in its closure), and the methods it calls on ``self`` that a class before
+``LockedTask`` defines. A call of the body is forgiven where the code also calls a ``__call__``
+that reaches ``LockedTask``'s (a choice between the two). What is no Python function (compiled
+code, a ``partialmethod``) is taken on trust, as is a name the check cannot resolve.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dis
+import functools
 import inspect
-from collections.abc import Iterator, Mapping
-from types import CodeType
+from collections.abc import Iterator
+from types import CodeType, FunctionType
 from typing import Any
 
 from celery import Task
@@ -31,9 +35,12 @@ from .exceptions import ConfigurationError
 
 __all__ = ["check_call_order"]
 
-_NAME_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_CELL_LOADS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 _UNRESOLVED = object()
+#: The attributes that are a task's body: ``run``, and the function a task was made of.
+_BODY = frozenset({"run", "__wrapped__"})
 
 # What a call in a base's __call__ does, read from its code:
 _RUNS = "runs the body"  # self.run(...): the body, without LockedTask's
@@ -52,7 +59,9 @@ def check_call_order(cls: type, locked: type) -> None:
     mro = cls.__mro__
     at = mro.index(locked)
     for klass in mro[:at]:
-        bypass = _bypass(klass.__dict__.get("__call__"), mro[at:], locked)
+        if any(klass in k.__mro__ for k in mro[1:at] if issubclass(k, locked)):
+            continue  # read when that LockedTask class was made (every task class of a base)
+        bypass = _Reader(cls, locked).bypass(klass.__dict__.get("__call__"))
         if bypass:
             raise ConfigurationError(
                 name,
@@ -61,86 +70,158 @@ def check_call_order(cls: type, locked: type) -> None:
                 f"super().__call__(*args, **kwargs) instead",
             )
     hidden = [k for k in mro[at + 1 : mro.index(Task)] if "__call__" in k.__dict__]
-    if hidden:
+    if not hidden:
+        return
+    shown = _shown_class(hidden[0])
+    # Read as if listed before LockedTask, as the message asks: one that would then run the
+    # body itself is told so now, not after the user moved it.
+    bypass = _Reader(cls, locked, before=(*mro[:at], *hidden)).bypass(hidden[0].__call__)
+    if bypass:
         raise ConfigurationError(
             name,
-            f"{_shown_class(hidden[0])}.__call__ would never run: LockedTask comes before it "
-            f"and runs the body itself; {_order_that_runs(cls, hidden, locked)}, so that its "
-            f"__call__ runs and calls super().__call__",
+            f"{shown}.__call__ would never run: LockedTask comes before it and runs the body "
+            f"itself; and listed first, it calls {bypass}, not super().__call__, so that no "
+            f"call would be locked: have it return super().__call__(*args, **kwargs), and "
+            f"{_order_that_runs(cls, hidden, locked)}",
         )
+    raise ConfigurationError(
+        name,
+        f"{shown}.__call__ would never run: LockedTask comes before it and runs the body "
+        f"itself; {_order_that_runs(cls, hidden, locked)}, so that its __call__ runs and calls "
+        f"super().__call__",
+    )
 
 
-def _bypass(call: Any, skipped: tuple[type, ...], locked: type) -> str | None:
-    """How ``call``, a ``__call__`` placed before ``locked``'s, runs the body without
-    ``locked.__call__`` (``"self.run"``, ``"TaskBase.__call__"``), or ``None``.
+class _Reader:
+    """Reads a ``__call__`` placed before ``locked``'s in ``cls``'s order, and what it calls
+    in turn, for a call that runs the body without ``locked.__call__``."""
 
-    ``skipped``: the classes at and after ``locked`` in the order, which a ``super(X, self)`` of
-    one of them passes by. A call of ``run`` counts only where the code calls no ``__call__``
-    that reaches ``locked``'s (a ``__call__`` that chooses between the two)."""
-    if call is None:
+    def __init__(self, cls: type, locked: type, before: tuple[type, ...] | None = None) -> None:
+        mro = cls.__mro__
+        at = mro.index(locked)
+        self.locked = locked
+        #: The classes before ``locked``: a ``__call__`` or method of theirs is read in turn.
+        self.before = mro[:at] if before is None else before
+        #: The classes at and after it: ``super(X, self)`` of one of them passes it by.
+        self.skipped = tuple(k for k in mro[at:] if k not in self.before)
+        self.read: set[CodeType] = set()
+
+    def bypass(self, call: Any) -> str | None:
+        """How ``call`` runs the body without ``locked.__call__`` (``"self.run"``,
+        ``"TaskBase.__call__"``), or ``None``."""
+        found = list(self._function(call, via=""))
+        skips = [what for what, kind in found if kind == _SKIPS]
+        runs = [what for what, kind in found if kind == _RUNS]
+        if skips:
+            return skips[0]
+        if runs and all(kind != _REACHES for _, kind in found):
+            return runs[0]
         return None
-    function = inspect.unwrap(call) if callable(call) else call
-    if not inspect.isfunction(function) or function is locked.__call__:
-        return None
-    names: dict[str, Any] = {**vars(builtins), **function.__globals__}
-    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True):
-        with contextlib.suppress(ValueError):  # empty: assigned after the class was made
-            names[name] = cell.cell_contents
-    found = list(_calls(function.__code__, names, skipped, locked))
-    skips = [what for what, kind in found if kind == _SKIPS]
-    runs = [what for what, kind in found if kind == _RUNS]
-    if skips:
-        return skips[0]
-    if runs and all(kind != _REACHES for _, kind in found):
-        return runs[0]
-    return None
+
+    def _function(self, call: Any, via: str) -> Iterator[tuple[str, str]]:
+        """The calls of the Python function ``call`` (a decorator's wrapper looked through),
+        and of what it hands on to; ``via``: how it was reached, for the message."""
+        try:
+            function = inspect.unwrap(call) if callable(call) else call
+        except ValueError:  # a loop of __wrapped__: nothing to read
+            return
+        if isinstance(function, (staticmethod, classmethod)):
+            function = function.__func__
+        if not isinstance(function, FunctionType) or function is self.locked.__call__:
+            return
+        code = function.__code__
+        if code in self.read:
+            return
+        self.read.add(code)
+        cells: dict[str, Any] = {}
+        for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=True):
+            with contextlib.suppress(ValueError):  # empty: assigned after the class was made
+                cells[name] = cell.cell_contents
+        self_name = code.co_varnames[0] if code.co_argcount else ""
+        yield from self._code(code, function.__globals__, cells, self_name, via)
+        # A wrapper made without functools.wraps holds what it wraps in its closure.
+        for held in cells.values():
+            if isinstance(held, FunctionType):
+                yield from self._function(held, via)
+
+    def _code(
+        self,
+        code: CodeType,
+        global_names: dict[str, Any],
+        cells: dict[str, Any],
+        self_name: str,
+        via: str,
+    ) -> Iterator[tuple[str, str]]:
+        """Each call in ``code`` (and the code nested in it) of the body or of a ``__call__``, as
+        ``(the call as written, _RUNS | _SKIPS | _REACHES)``. A ``__call__`` of what cannot be
+        resolved to a task class is left out."""
+        held: Any = _UNRESOLVED  # what the loads since the last other instruction resolve to
+        shown = ""  # and how the code names it
+        in_super = False  # a super(...) is being built: its attribute is the next one loaded
+        super_of: Any = None  # the class it names, if any (3.12 names __class__ for super())
+        for op, arg in _instructions(code):
+            if op in _GLOBAL_LOADS or op in _CELL_LOADS:
+                if op in _CELL_LOADS:
+                    value = cells.get(arg, _UNRESOLVED)
+                else:
+                    value = global_names.get(arg, getattr(builtins, arg, _UNRESOLVED))
+                if held is super:
+                    super_of = value
+                in_super = in_super or value is super
+                held, shown = value, arg
+            elif op in _ATTRIBUTE_LOADS and in_super:
+                if arg == "__call__" and super_of in self.skipped:
+                    yield f"super({super_of.__name__}, self).__call__{via}", _SKIPS
+                elif arg == "__call__":
+                    yield "super().__call__", _REACHES
+                in_super, super_of = False, None
+                held, shown = _UNRESOLVED, ""
+            elif op in _ATTRIBUTE_LOADS:
+                if arg in _BODY:
+                    yield f"{shown or '(...)'}.{arg}{via}", _RUNS
+                elif arg == "__call__" and isinstance(held, type) and issubclass(held, Task):
+                    yield f"{shown}.__call__{via}", self._named_call(held)
+                elif shown == self_name and self_name:
+                    yield from self._method(arg, f" (in {shown}.{arg}{via})")
+                held = inspect.getattr_static(held, arg, _UNRESOLVED)
+                shown = f"{shown}.{arg}" if shown else ""
+            elif op == "LOAD_CONST" and isinstance(arg, CodeType):
+                # A nested function's own captured locals are not the outer's closure.
+                inner = {k: v for k, v in cells.items() if k not in code.co_cellvars}
+                yield from self._code(arg, global_names, inner, self_name, via)
+            elif op == "LOAD_CONST" and arg == "run" and "getattr" in code.co_names:
+                yield f"getattr(..., 'run'){via}", _RUNS
+            elif op == "EXTENDED_ARG":  # the next instruction's argument: what is held holds
+                continue
+            elif op in {"LOAD_FAST", "LOAD_CLOSURE"}:
+                held, shown = _UNRESOLVED, arg
+            else:
+                held, shown = _UNRESOLVED, ""
+
+    def _method(self, name: str, via: str) -> Iterator[tuple[str, str]]:
+        """The calls of ``self.<name>``, where a class before ``locked`` defines it."""
+        for klass in self.before:
+            if name in klass.__dict__:
+                yield from self._function(klass.__dict__[name], via)
+                return
+
+    def _named_call(self, klass: type) -> str:
+        """What ``klass.__call__(self, ...)`` reaches: the class that defines that function
+        decides. One placed before ``locked`` is read on its own (its ``super()`` goes on
+        towards ``locked``'s); ``locked``'s or a subclass's reaches it; any other (Celery's
+        ``Task``'s) passes it by."""
+        if issubclass(klass, self.locked):
+            return _REACHES
+        function = inspect.getattr_static(klass, "__call__", None)
+        owner = next((k for k in klass.__mro__ if k.__dict__.get("__call__") is function), klass)
+        return _REACHES if owner in self.before else _SKIPS
 
 
-def _calls(
-    code: CodeType, names: Mapping[str, Any], skipped: tuple[type, ...], locked: type
-) -> Iterator[tuple[str, str]]:
-    """Each call in ``code`` (and the code nested in it) of the body or of a ``__call__``, as
-    ``(the call as written, _RUNS | _SKIPS | _REACHES)``. A ``__call__`` of what the check
-    cannot resolve to a class is taken as reaching ``locked``'s; of a class that is no task,
-    left out."""
-    held: Any = _UNRESOLVED  # what the loads since the last other instruction resolve to
-    shown = ""  # and how the code names it
-    in_super = False  # a super(...) is being built: its attribute is the next one loaded
-    super_of: Any = None  # the class it names, if any (3.12 names __class__ for super())
-    for instruction in dis.get_instructions(code):
-        op, arg = instruction.opname, instruction.argval
-        if op in _NAME_LOADS:
-            value = names.get(arg, _UNRESOLVED)
-            if held is super:
-                super_of = value
-            in_super = in_super or value is super
-            held, shown = value, arg
-        elif op in _ATTRIBUTE_LOADS and in_super:
-            if arg == "__call__" and super_of in skipped:
-                yield f"super({super_of.__name__}, self).__call__", _SKIPS
-            elif arg == "__call__":
-                yield "super().__call__", _REACHES
-            in_super, super_of = False, None
-            held, shown = _UNRESOLVED, ""
-        elif op in _ATTRIBUTE_LOADS:
-            if arg == "run":
-                yield f"{shown or '(...)'}.run", _RUNS
-            elif arg == "__call__" and not isinstance(held, type):
-                yield f"{shown or '(...)'}.__call__", _REACHES  # on trust
-            elif arg == "__call__" and issubclass(held, Task):
-                yield f"{shown}.__call__", _REACHES if issubclass(held, locked) else _SKIPS
-            held = inspect.getattr_static(held, arg, _UNRESOLVED)
-            shown = f"{shown}.{arg}" if shown else ""
-        elif op == "LOAD_CONST" and isinstance(arg, CodeType):
-            # A nested function's own captured locals are not the globals of the same name.
-            inner = {k: v for k, v in names.items() if k not in code.co_cellvars}
-            yield from _calls(arg, inner, skipped, locked)
-        elif op == "LOAD_CONST" and arg == "run" and "getattr" in code.co_names:
-            yield "getattr(self, 'run')", _RUNS
-        elif op in {"LOAD_FAST", "LOAD_CLOSURE"}:
-            held, shown = _UNRESOLVED, arg
-        else:
-            held, shown = _UNRESOLVED, ""
+@functools.lru_cache(maxsize=256)
+def _instructions(code: CodeType) -> tuple[tuple[str, Any], ...]:
+    """``code``'s instructions, as (name, argument): read once per function, however many task
+    classes share the base that defines it."""
+    return tuple((i.opname, i.argval) for i in dis.get_instructions(code))
 
 
 def _order_that_runs(cls: type, hidden: list[type], locked: type) -> str:

@@ -2333,6 +2333,40 @@ class _SuperOfLocked(Task):
         return super(LockedTask, self).__call__(*args, **kwargs)  # type: ignore[misc]
 
 
+class _HandsOn(Task):  # to a method of its own, which runs the body
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._invoke(args, kwargs)
+
+    def _invoke(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.run(*args, **kwargs)
+
+
+def _traced_without_wraps(call: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:  # no __wrapped__: its closure holds call
+        return call(*args, **kwargs)
+
+    return wrapper
+
+
+class _DecoratedWithoutWraps(Task):
+    @_traced_without_wraps
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+class _Wrapped(Task):  # a task made of a function holds it as __wrapped__
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__wrapped__(*args, **kwargs)
+
+
+class _Hooked(Task):  # a __call__ of something unknown does not reach LockedTask's
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hook = getattr(self, "on_call", None)
+        if hook is not None:
+            hook.__call__(self)
+        return self.run(*args, **kwargs)
+
+
 class _TaskCall(Task):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return Task.__call__(self, *args, **kwargs)
@@ -2344,7 +2378,11 @@ class _TaskCall(Task):
         (_flask_before_1_0(Task), "TaskBase.__call__"),
         (_Nested, "self.run"),
         (_Decorated, "self.run"),
-        (_ByName, "getattr(self, 'run')"),
+        (_DecoratedWithoutWraps, "self.run"),
+        (_HandsOn, "self.run (in self._invoke)"),
+        (_Wrapped, "self.__wrapped__"),
+        (_Hooked, "self.run"),
+        (_ByName, "getattr(..., 'run')"),
         (_SuperOfLocked, "super(LockedTask, self).__call__"),
         (_TaskCall, "Task.__call__"),
     ],
@@ -2352,6 +2390,10 @@ class _TaskCall(Task):
         "flask-before-1.0",
         "nested-function",
         "decorated",
+        "decorated-without-wraps",
+        "hands-on-to-a-method",
+        "wrapped-function",
+        "unknown-call",
         "getattr",
         "super-of-locked-task",
         "task-call",
@@ -2376,6 +2418,49 @@ def test_a_base_whose_call_reaches_locked_task_s_is_accepted() -> None:
     # LockedTask's.
     type("Locked", (_flask_before_1_0(LockedTask),), {})
 
+    class Tenant(OwnSuper):  # its parent's by name: OwnSuper's, which goes on to LockedTask's
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return OwnSuper.__call__(self, *args, **kwargs)
+
+    type("Locked", (Tenant, LockedTask), {})
+    # So on an app whose task_cls is such a base (Flask's recipe before 1.0 over Sentry's, say).
+    type("Locked", (_flask_before_1_0(OwnSuper), LockedTask), {})
+
+    class Looped(Task):  # a __wrapped__ loop: nothing to read, and no crash
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)
+
+    Looped.__call__.__wrapped__ = Looped.__call__  # type: ignore[attr-defined]
+    type("Locked", (Looped, LockedTask), {})
+
+
+def test_a_task_class_s_own_call_is_read_though_its_bases_were_read_before() -> None:
+    # The bases of a LockedTask class are read once, when it is made; each class made of it
+    # is still read for a __call__ of its own.
+    class Traced(Task):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)
+
+    locked = type("Locked", (Traced, LockedTask), {})
+
+    with pytest.raises(ConfigurationError, match=r"Unlocked\.__call__ calls self\.run"):
+
+        class Unlocked(locked):  # type: ignore[valid-type,misc]
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                return self.run(*args, **kwargs)
+
+
+def test_a_long_call_s_code_is_read_whole() -> None:
+    # Past 255 names, an instruction's argument takes an EXTENDED_ARG before it, which cleared
+    # what the check held: Task.__call__ was no longer seen.
+    options = "".join(f"    self.option_{n}\n" for n in range(300))  # each a name of its own
+    source = f"def __call__(self, *a, **k):\n{options}    return Task.__call__(self, *a, **k)\n"
+    namespace: dict[str, Any] = {"Task": Task}
+    exec(source, namespace)
+    base = type("Long", (Task,), {"__call__": namespace["__call__"]})
+    with pytest.raises(ConfigurationError, match=r"calls Task\.__call__, not super"):
+        type("Unlocked", (base, LockedTask), {})
+
 
 def test_every_base_whose_call_locked_task_would_hide_is_moved_in_the_order_asked() -> None:
     class Traced(Task):
@@ -2392,6 +2477,18 @@ def test_every_base_whose_call_locked_task_would_hide_is_moved_in_the_order_aske
     ):
         type("H", (LockedTask, Traced, Tenant), {})
     type("H", (Traced, Tenant, LockedTask), {})
+
+    class Flask(Task):  # hidden, and would run the body itself once moved: both are said
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self.run(*args, **kwargs)
+
+    with pytest.raises(
+        ConfigurationError,
+        match=r"Flask\.__call__ would never run: .*; and listed first, it calls self\.run, not "
+        r"super\(\)\.__call__, so that no call would be locked: have it return "
+        r"super\(\)\.__call__\(\*args, \*\*kwargs\), and list Flask first",
+    ):
+        type("H", (LockedTask, Flask), {})
 
 
 def test_track_started_is_taken_from_where_celery_would_take_it() -> None:
