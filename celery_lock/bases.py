@@ -11,11 +11,14 @@ code says is known: a call of ``run`` (or of ``__wrapped__``, the function a tas
 anything, ``getattr(..., "run")``, Celery's own ``Task.__call__`` however it is named
 (``X.__call__`` where ``X``, a global or a closure variable, is a task class whose ``__call__``
 is ``Task``'s), or ``super(X, self).__call__`` where ``X`` comes at or after ``LockedTask``. Read
-with it: the functions it defines inside, the functions a decorator's wrapper holds (by
-``__wrapped__`` or in its closure), and the methods it calls on ``self`` that a class before
-``LockedTask`` defines. A call of the body is forgiven where the code also calls a ``__call__``
-that reaches ``LockedTask``'s (a choice between the two). What is no Python function (compiled
-code, a ``partialmethod``) is taken on trust, as is a name the check cannot resolve.
+with it: the functions it defines inside, and the methods it calls on ``self`` (or names to
+``getattr``) that a class before ``LockedTask`` defines. A decorated ``__call__`` is read layer by
+layer (``__wrapped__``, or the functions a wrapper's closure holds), each judged on its own. A
+call of the body is forgiven where the same layer also calls a ``__call__`` that reaches
+``LockedTask``'s (a choice between the two). Names are resolved without running any code of
+theirs: an instance (a proxy) is not looked into. What is no Python function (compiled code, a
+``partialmethod``, a wrapt proxy's wrapper) is taken on trust, as is a name the check cannot
+resolve.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import contextlib
 import dis
 import functools
 import inspect
+import weakref
 from collections.abc import Iterator
-from types import CodeType, FunctionType
+from dataclasses import dataclass
+from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
 from celery import Task
@@ -38,6 +43,12 @@ __all__ = ["check_call_order"]
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _CELL_LOADS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
+_FAST_LOADS = frozenset(
+    {
+        "LOAD_FAST", "LOAD_CLOSURE", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR",
+        "LOAD_FAST_LOAD_FAST", "STORE_FAST_LOAD_FAST",
+    }
+)  # fmt: skip
 _UNRESOLVED = object()
 #: The attributes that are a task's body: ``run``, and the function a task was made of.
 _BODY = frozenset({"run", "__wrapped__"})
@@ -59,9 +70,16 @@ def check_call_order(cls: type, locked: type) -> None:
     mro = cls.__mro__
     at = mro.index(locked)
     for klass in mro[:at]:
-        if any(klass in k.__mro__ for k in mro[1:at] if issubclass(k, locked)):
-            continue  # read when that LockedTask class was made (every task class of a base)
-        bypass = _Reader(cls, locked).bypass(klass.__dict__.get("__call__"))
+        call = klass.__dict__.get("__call__")
+        if call is None:
+            continue
+        accepted = _ACCEPTED.get(klass)
+        if accepted is not None and accepted.holds(call, mro[:at]):
+            continue  # read for an earlier class, and what it reads on self is the same here
+        reader = _Reader(cls, locked)
+        bypass = reader.bypass(call)
+        if not bypass:
+            _ACCEPTED[klass] = _Accepted(call, reader.followed)
         if bypass:
             raise ConfigurationError(
                 name,
@@ -92,6 +110,27 @@ def check_call_order(cls: type, locked: type) -> None:
     )
 
 
+@dataclass(frozen=True)
+class _Accepted:
+    """A base's ``__call__`` read and accepted, and what each name it called on ``self``
+    resolved to then (``None``: defined by no class before ``LockedTask``)."""
+
+    call: Any
+    followed: dict[str, Any]
+
+    def holds(self, call: Any, before: tuple[type, ...]) -> bool:
+        """Whether the verdict holds for a class whose classes before ``LockedTask`` are
+        ``before``: the same ``__call__`` (not one set on the class since), and each name it
+        called on ``self`` resolving as it did (not overridden by a class made since)."""
+        return call is self.call and all(
+            _resolve(before, name) is held for name, held in self.followed.items()
+        )
+
+
+#: The bases read and accepted, so that each task class made of a base does not read it again.
+_ACCEPTED: weakref.WeakKeyDictionary[type, _Accepted] = weakref.WeakKeyDictionary()
+
+
 class _Reader:
     """Reads a ``__call__`` placed before ``locked``'s in ``cls``'s order, and what it calls
     in turn, for a call that runs the body without ``locked.__call__``."""
@@ -105,29 +144,39 @@ class _Reader:
         #: The classes at and after it: ``super(X, self)`` of one of them passes it by.
         self.skipped = tuple(k for k in mro[at:] if k not in self.before)
         self.read: set[CodeType] = set()
+        #: The functions the ``__call__`` being read wraps (by id), each read in its own turn.
+        self.wrapped: set[int] = set()
+        #: Each name followed on ``self``, and what it resolved to.
+        self.followed: dict[str, Any] = {}
 
     def bypass(self, call: Any) -> str | None:
         """How ``call`` runs the body without ``locked.__call__`` (``"self.run"``,
-        ``"TaskBase.__call__"``), or ``None``."""
-        found = list(self._function(call, via=""))
-        skips = [what for what, kind in found if kind == _SKIPS]
-        runs = [what for what, kind in found if kind == _RUNS]
-        if skips:
-            return skips[0]
-        if runs and all(kind != _REACHES for _, kind in found):
-            return runs[0]
+        ``"TaskBase.__call__"``), or ``None``. Each layer of a decorated ``__call__`` is judged
+        on its own: a wrapper that calls the body in place of what it wraps is not forgiven by
+        the ``super().__call__`` of the function it wraps."""
+        layers = list(_layers(call))
+        self.wrapped = {id(layer) for layer in layers[1:]}
+        try:
+            for layer in layers:
+                bypass = _verdict(list(self._layer(layer, via="")))
+                if bypass:
+                    return bypass
+        except RecursionError:  # hundreds of methods deep: nothing a task class writes
+            return None
         return None
 
     def _function(self, call: Any, via: str) -> Iterator[tuple[str, str]]:
-        """The calls of the Python function ``call`` (a decorator's wrapper looked through),
-        and of what it hands on to; ``via``: how it was reached, for the message."""
-        try:
-            function = inspect.unwrap(call) if callable(call) else call
-        except ValueError:  # a loop of __wrapped__: nothing to read
-            return
-        if isinstance(function, (staticmethod, classmethod)):
+        """The calls of ``call`` and of each function it wraps (``__wrapped__``, as
+        ``functools.wraps`` and wrapt set it), and of what they hand on to; ``via``: how it was
+        reached, for the message."""
+        for layer in _layers(call):
+            yield from self._layer(layer, via)
+
+    def _layer(self, function: Any, via: str) -> Iterator[tuple[str, str]]:
+        """The calls of one Python function (a static or class method's), if it is one."""
+        if type(function) in (staticmethod, classmethod):
             function = function.__func__
-        if not isinstance(function, FunctionType) or function is self.locked.__call__:
+        if type(function) is not FunctionType or function is self.locked.__call__:
             return
         code = function.__code__
         if code in self.read:
@@ -141,7 +190,7 @@ class _Reader:
         yield from self._code(code, function.__globals__, cells, self_name, via)
         # A wrapper made without functools.wraps holds what it wraps in its closure.
         for held in cells.values():
-            if isinstance(held, FunctionType):
+            if type(held) is FunctionType and id(held) not in self.wrapped:
                 yield from self._function(held, via)
 
     def _code(
@@ -165,12 +214,14 @@ class _Reader:
                     value = cells.get(arg, _UNRESOLVED)
                 else:
                     value = global_names.get(arg, getattr(builtins, arg, _UNRESOLVED))
+                if id(value) in self.wrapped:  # a wrapper calling what it wraps, read apart
+                    yield arg, _REACHES
                 if held is super:
                     super_of = value
                 in_super = in_super or value is super
                 held, shown = value, arg
             elif op in _ATTRIBUTE_LOADS and in_super:
-                if arg == "__call__" and super_of in self.skipped:
+                if arg == "__call__" and any(super_of is k for k in self.skipped):
                     yield f"super({super_of.__name__}, self).__call__{via}", _SKIPS
                 elif arg == "__call__":
                     yield "super().__call__", _REACHES
@@ -179,42 +230,104 @@ class _Reader:
             elif op in _ATTRIBUTE_LOADS:
                 if arg in _BODY:
                     yield f"{shown or '(...)'}.{arg}{via}", _RUNS
-                elif arg == "__call__" and isinstance(held, type) and issubclass(held, Task):
-                    yield f"{shown}.__call__{via}", self._named_call(held)
+                elif arg == "__call__" and _is_class(held):
+                    kind = self._named_call(held)
+                    if kind is not None:
+                        yield f"{shown}.__call__{via}", kind
                 elif shown == self_name and self_name:
                     yield from self._method(arg, f" (in {shown}.{arg}{via})")
-                held = inspect.getattr_static(held, arg, _UNRESOLVED)
+                held = _attribute(held, arg)
                 shown = f"{shown}.{arg}" if shown else ""
             elif op == "LOAD_CONST" and isinstance(arg, CodeType):
                 # A nested function's own captured locals are not the outer's closure.
                 inner = {k: v for k, v in cells.items() if k not in code.co_cellvars}
                 yield from self._code(arg, global_names, inner, self_name, via)
-            elif op == "LOAD_CONST" and arg == "run" and "getattr" in code.co_names:
-                yield f"getattr(..., 'run'){via}", _RUNS
+            elif op == "LOAD_CONST" and type(arg) is str and "getattr" in code.co_names:
+                if arg in _BODY:
+                    yield f"getattr(..., {arg!r}){via}", _RUNS
+                elif arg.isidentifier():  # getattr(self, "invoke"), say
+                    yield from self._method(arg, f" (in getattr(..., {arg!r}){via})")
             elif op == "EXTENDED_ARG":  # the next instruction's argument: what is held holds
                 continue
-            elif op in {"LOAD_FAST", "LOAD_CLOSURE"}:
-                held, shown = _UNRESOLVED, arg
+            elif op in _FAST_LOADS:
+                # 3.13 loads two at once (and stores one, loads another): the last is on top.
+                held, shown = _UNRESOLVED, arg[-1] if isinstance(arg, tuple) else arg
             else:
                 held, shown = _UNRESOLVED, ""
 
     def _method(self, name: str, via: str) -> Iterator[tuple[str, str]]:
         """The calls of ``self.<name>``, where a class before ``locked`` defines it."""
-        for klass in self.before:
-            if name in klass.__dict__:
-                yield from self._function(klass.__dict__[name], via)
-                return
+        held = self.followed[name] = _resolve(self.before, name)
+        if held is not None:
+            yield from self._function(held, via)
 
-    def _named_call(self, klass: type) -> str:
+    def _named_call(self, klass: type) -> str | None:
         """What ``klass.__call__(self, ...)`` reaches: the class that defines that function
         decides. One placed before ``locked`` is read on its own (its ``super()`` goes on
-        towards ``locked``'s); ``locked``'s or a subclass's reaches it; any other (Celery's
-        ``Task``'s) passes it by."""
+        towards ``locked``'s); ``locked``'s or a subclass's reaches it; another task class's
+        (Celery's ``Task``'s) passes it by; any other class's is left out (``None``)."""
         if issubclass(klass, self.locked):
             return _REACHES
-        function = inspect.getattr_static(klass, "__call__", None)
+        function = _resolve(klass.__mro__, "__call__")
         owner = next((k for k in klass.__mro__ if k.__dict__.get("__call__") is function), klass)
-        return _REACHES if owner in self.before else _SKIPS
+        if owner in self.before:
+            return _REACHES
+        return _SKIPS if issubclass(klass, Task) else None
+
+
+def _verdict(found: list[tuple[str, str]]) -> str | None:
+    """The call that passes ``LockedTask.__call__`` by, of the calls read in one layer: one
+    that skips it, or one of the body where nothing read calls a ``__call__`` that reaches it."""
+    skips = [what for what, kind in found if kind == _SKIPS]
+    runs = [what for what, kind in found if kind == _RUNS]
+    if skips:
+        return skips[0]
+    if runs and all(kind != _REACHES for _, kind in found):
+        return runs[0]
+    return None
+
+
+def _resolve(classes: tuple[type, ...], name: str) -> Any:
+    """What the first of ``classes`` that defines ``name`` holds there (``None``: none does)."""
+    return next((k.__dict__[name] for k in classes if name in k.__dict__), None)
+
+
+def _layers(call: Any) -> Iterator[Any]:
+    """``call``, then each function it wraps in turn: the ``__wrapped__`` it holds itself
+    (``functools.wraps``) or its type gives it (wrapt's proxies), never one a ``__getattr__``
+    would make (a proxy's, which may load or finalize an app). Stops at a loop, and at what
+    cannot be read."""
+    seen: set[int] = set()
+    while id(call) not in seen:
+        seen.add(id(call))
+        yield call
+        try:
+            if type(call) is FunctionType:
+                inner = call.__dict__.get("__wrapped__", _UNRESOLVED)
+            else:  # read on the type: the instance's own attributes may run a proxy's code
+                inner = inspect.getattr_static(type(call), "__wrapped__", _UNRESOLVED)
+                if inner is not _UNRESOLVED:
+                    inner = inner.__get__(call, type(call))
+        except Exception:  # whatever a foreign object raises: taken on trust
+            return
+        if inner is _UNRESOLVED:
+            return
+        call = inner
+
+
+def _is_class(value: Any) -> bool:
+    """Whether ``value`` is a class, asked of its type: ``isinstance`` would ask a proxy's
+    ``__class__``, which runs its code (a ``shared_task``'s finalizes its app)."""
+    return issubclass(type(value), type)
+
+
+def _attribute(value: Any, name: str) -> Any:
+    """``value.<name>`` where ``value`` is a class or a module, without running any of its code
+    (``inspect.getattr_static``); ``_UNRESOLVED`` for anything else (an instance may be a
+    proxy), or what has no such attribute."""
+    if value is _UNRESOLVED or not (_is_class(value) or issubclass(type(value), ModuleType)):
+        return _UNRESOLVED
+    return inspect.getattr_static(value, name, _UNRESOLVED)
 
 
 @functools.lru_cache(maxsize=256)

@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import re
+import subprocess
 import threading
 import time
 import uuid
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
+import celery.local
 import pytest
 import redis
 from celery import Celery, Signature, Task, chain, chord, current_task, group
@@ -2448,6 +2450,109 @@ def test_a_task_class_s_own_call_is_read_though_its_bases_were_read_before() -> 
         class Unlocked(locked):  # type: ignore[valid-type,misc]
             def __call__(self, *args: Any, **kwargs: Any) -> Any:
                 return self.run(*args, **kwargs)
+
+
+def test_a_base_read_before_is_read_again_where_a_later_class_changes_what_it_calls() -> None:
+    # Its verdict is kept for each task class made of it: but a later class may override what
+    # its __call__ calls on self, or set a __call__ of its own on a LockedTask class after it
+    # was made (a class decorator), and each ran every call unlocked.
+    class Instrumented(Task):  # a template method: __call__ hands on to a hook
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self.execute(*args, **kwargs)
+
+        def execute(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)
+
+    base = type("Base", (Instrumented, LockedTask), {})
+    type("Task", (base,), {})  # read again, and still accepted
+
+    def execute(self: Task, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+    with pytest.raises(ConfigurationError, match=r"calls self\.run \(in self\.execute\)"):
+        type("Fast", (base,), {"execute": execute})
+    direct = type("Direct", (), {"execute": execute})  # a plain mixin, listed first
+    with pytest.raises(ConfigurationError, match=r"calls self\.run \(in self\.execute\)"):
+        type("Fast", (direct, base), {})
+
+    def tenant_aware(cls: type) -> type:  # a class decorator written for a plain Task
+        def __call__(self: Task, *args: Any, **kwargs: Any) -> Any:
+            return self.run(*args, **kwargs)
+
+        cls.__call__ = __call__  # type: ignore[operator]
+        return cls
+
+    tenant = tenant_aware(type("Tenant", (LockedTask,), {}))
+    with pytest.raises(ConfigurationError, match=r"Tenant\.__call__ calls self\.run"):
+        type("Task", (tenant,), {})
+
+
+def test_what_a_call_names_is_read_without_running_a_proxy_s_code() -> None:
+    # A base's attribute used on self in its __call__, a shared_task (a proxy): reading it ran
+    # the proxy, which finalized the app as the module was imported, or raised.
+    proxy_app = Celery("proxy_attr", broker="memory://", autofinalize=False, set_as_current=False)
+    notify = proxy_app.task(lambda task_id: None, name="proxy_attr.notify", shared=False)
+    proxy = celery.local.Proxy(lambda: proxy_app.tasks[notify.name])
+
+    class Notifying(Task):
+        on_start = proxy
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            self.on_start.delay(self.request.id)
+            return super().__call__(*args, **kwargs)
+
+    type("Locked", (Notifying, LockedTask), {})
+    assert not proxy_app.finalized
+
+
+def test_calls_the_reading_takes_through() -> None:
+    class Ctx:  # no task: its __call__ goes on to the next one, LockedTask's
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
+    class ByName(Ctx, Task):  # named, and a .run that is no body's beside it: accepted
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            subprocess.run(["true"], check=False)
+            return Ctx.__call__(self, *args, **kwargs)
+
+    type("Locked", (ByName, LockedTask), {})
+
+    class ByString(Task):  # getattr(self, "invoke") is self.invoke
+        def invoke(self, *args: Any, **kwargs: Any) -> Any:
+            return self.run(*args, **kwargs)
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self, "invoke")(*args, **kwargs)  # noqa: B009
+
+    with pytest.raises(
+        ConfigurationError, match=r"calls self\.run \(in getattr\(\.\.\., 'invoke'\)"
+    ):
+        type("Unlocked", (ByString, LockedTask), {})
+
+    def in_place(call: Callable[..., Any]) -> Callable[..., Any]:  # runs the body instead
+        @functools.wraps(call)
+        def wrapper(self: Task, *args: Any, **kwargs: Any) -> Any:
+            return self.run(*args, **kwargs)
+
+        return wrapper
+
+    class Replaced(Task):  # what it wraps calls super().__call__, and never runs
+        @in_place
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)
+
+    with pytest.raises(ConfigurationError, match=r"Replaced\.__call__ calls self\.run"):
+        type("Unlocked", (Replaced, LockedTask), {})
+
+    class Paired(Task):  # 3.13 loads x and self in one instruction: self.invoke still seen
+        def invoke(self, *args: Any, **kwargs: Any) -> Any:
+            return self.run(*args, **kwargs)
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return print(args, self.invoke(*args, **kwargs))  # type: ignore[func-returns-value]
+
+    with pytest.raises(ConfigurationError, match=r"calls self\.run \(in self\.invoke\)"):
+        type("Unlocked", (Paired, LockedTask), {})
 
 
 def test_a_long_call_s_code_is_read_whole() -> None:
