@@ -78,8 +78,6 @@ def check_call_order(cls: type, locked: type) -> None:
             continue  # read for an earlier class, and what it reads on self is the same here
         reader = _Reader(cls, locked)
         bypass = reader.bypass(call)
-        if not bypass:
-            _ACCEPTED[klass] = _Accepted(call, reader.followed)
         if bypass:
             raise ConfigurationError(
                 name,
@@ -87,6 +85,7 @@ def check_call_order(cls: type, locked: type) -> None:
                 f"LockedTask's never runs: no call of the task would be locked; have it return "
                 f"super().__call__(*args, **kwargs) instead",
             )
+        _ACCEPTED[klass] = _Accepted(call, reader.followed)
     hidden = [k for k in mro[at + 1 : mro.index(Task)] if "__call__" in k.__dict__]
     if not hidden:
         return
