@@ -9,17 +9,16 @@ both are refused when the class is created (:func:`check_call_order`).
 Whether a ``__call__`` calls the body itself is read from its code (:mod:`dis`), so only what its
 code says is known: a call of ``run`` (or of ``__wrapped__``, the function a task was made of) on
 anything, ``getattr(..., "run")``, Celery's own ``Task.__call__`` however it is named
-(``X.__call__`` where ``X``, a global or a closure variable, is a task class whose ``__call__``
-is ``Task``'s), or ``super(X, self).__call__`` where ``X`` comes at or after ``LockedTask``. Read
-with it: the functions it defines inside, and the methods it calls on ``self`` (or names to
-``getattr``) that a class before ``LockedTask`` defines. A decorated ``__call__`` is read layer by
-layer (``__wrapped__``, or the functions a wrapper's closure holds), each judged on its own. A
-call of the body is forgiven where the same layer also calls a ``__call__`` that reaches
-``LockedTask``'s (a choice between the two). Names are resolved without running any code of
-theirs: an instance (a proxy) is not looked into. What is no Python function (compiled code, a
-``partialmethod``, a wrapt proxy's wrapper) is taken on trust, as is a name the check cannot
-resolve.
-"""
+(``X.__call__`` where ``X``, a global or a closure variable, is a task class whose ``__call__`` is
+``Task``'s), or ``super(X, self).__call__`` where ``X`` comes at or after ``LockedTask``. Read with
+it: the functions it defines inside, the functions of its own module it calls, and what it uses on
+``self`` (or names to ``getattr``) that a class of the user's defines (not ``LockedTask`` or
+Celery's ``Task``). A decorated ``__call__`` is read layer by layer (``__wrapped__``, or the
+functions a wrapper's closure holds), each judged on its own. A call of the body is forgiven where
+the same layer also calls a ``__call__`` that reaches ``LockedTask``'s (a choice between the two).
+Names are resolved without running any code of theirs: an instance (a proxy) is not looked into.
+What is no Python function (compiled code, a ``partialmethod``, a wrapt proxy's wrapper), a function
+of another module or class, and a name the check cannot resolve are taken on trust. """
 
 from __future__ import annotations
 
@@ -73,8 +72,10 @@ def check_call_order(cls: type, locked: type) -> None:
         call = klass.__dict__.get("__call__")
         if call is None:
             continue
-        accepted = _ACCEPTED.get(klass)
-        if accepted is not None and accepted.holds(call, mro[:at]):
+        accepted = None
+        with contextlib.suppress(TypeError):  # a class its metaclass made unhashable
+            accepted = _ACCEPTED.get(klass)
+        if accepted is not None and accepted.holds(call, mro, locked):
             continue  # read for an earlier class, and what it reads on self is the same here
         reader = _Reader(cls, locked)
         bypass = reader.bypass(call)
@@ -85,8 +86,18 @@ def check_call_order(cls: type, locked: type) -> None:
                 f"LockedTask's never runs: no call of the task would be locked; have it return "
                 f"super().__call__(*args, **kwargs) instead",
             )
-        _ACCEPTED[klass] = _Accepted(call, reader.followed)
-    hidden = [k for k in mro[at + 1 : mro.index(Task)] if "__call__" in k.__dict__]
+        with contextlib.suppress(TypeError):
+            _ACCEPTED[klass] = _Accepted(call, reader.followed, mro[at:])
+    # After LockedTask: a task class before Task, or a plain mixin (after Task itself) that a
+    # base listed after LockedTask brings; one that the user's own base lists after Task never
+    # ran before LockedTask either.
+    later = _listed_after(cls, locked)
+    hidden = [
+        k
+        for k in mro[at + 1 :]
+        if "__call__" in k.__dict__
+        and (k in mro[: mro.index(Task)] or (k not in Task.__mro__ and k in later))
+    ]
     if not hidden:
         return
     shown = _shown_class(hidden[0])
@@ -116,13 +127,17 @@ class _Accepted:
 
     call: Any
     followed: dict[str, Any]
+    after: tuple[type, ...]  # the classes at and after LockedTask then, which super(X) may name
 
-    def holds(self, call: Any, before: tuple[type, ...]) -> bool:
-        """Whether the verdict holds for a class whose classes before ``LockedTask`` are
-        ``before``: the same ``__call__`` (not one set on the class since), and each name it
+    def holds(self, call: Any, mro: tuple[type, ...], locked: type) -> bool:
+        """Whether the verdict holds for a class of order ``mro``: the same ``__call__`` (not
+        one set on the class since), the same classes at and after ``locked``, and each name it
         called on ``self`` resolving as it did (not overridden by a class made since)."""
-        return call is self.call and all(
-            _resolve(before, name) is held for name, held in self.followed.items()
+        own = _own_classes(mro, locked)
+        return (
+            call is self.call
+            and mro[mro.index(locked) :] == self.after
+            and all(_resolve(own, name) is held for name, held in self.followed.items())
         )
 
 
@@ -140,6 +155,8 @@ class _Reader:
         self.locked = locked
         #: The classes before ``locked``: a ``__call__`` or method of theirs is read in turn.
         self.before = mro[:at] if before is None else before
+        #: The user's classes, wherever they come: a method of theirs called on self is read.
+        self.own = _own_classes(mro, locked)
         #: The classes at and after it: ``super(X, self)`` of one of them passes it by.
         self.skipped = tuple(k for k in mro[at:] if k not in self.before)
         self.read: set[CodeType] = set()
@@ -157,6 +174,7 @@ class _Reader:
         self.wrapped = {id(layer) for layer in layers[1:]}
         try:
             for layer in layers:
+                self.read = set()  # each layer reads what it calls itself
                 bypass = _verdict(list(self._layer(layer, via="")))
                 if bypass:
                     return bypass
@@ -215,6 +233,11 @@ class _Reader:
                     value = global_names.get(arg, getattr(builtins, arg, _UNRESOLVED))
                 if id(value) in self.wrapped:  # a wrapper calling what it wraps, read apart
                     yield arg, _REACHES
+                elif value is Task.__call__:  # Celery's, under another name
+                    yield f"{arg}{via}", _SKIPS
+                elif op in _GLOBAL_LOADS and _same_module(value, global_names):
+                    # A function of the same module it hands on to (_run_in_context(self)).
+                    yield from self._function(value, f" (in {arg}{via})")
                 if held is super:
                     super_of = value
                 in_super = in_super or value is super
@@ -242,21 +265,28 @@ class _Reader:
                 inner = {k: v for k, v in cells.items() if k not in code.co_cellvars}
                 yield from self._code(arg, global_names, inner, self_name, via)
             elif op == "LOAD_CONST" and type(arg) is str and "getattr" in code.co_names:
-                if arg in _BODY:
-                    yield f"getattr(..., {arg!r}){via}", _RUNS
-                elif arg.isidentifier():  # getattr(self, "invoke"), say
-                    yield from self._method(arg, f" (in getattr(..., {arg!r}){via})")
+                yield from self._named(arg, via)  # getattr(self, "invoke"), say
             elif op == "EXTENDED_ARG":  # the next instruction's argument: what is held holds
                 continue
             elif op in _FAST_LOADS:
                 # 3.13 loads two at once (and stores one, loads another): the last is on top.
                 held, shown = _UNRESOLVED, arg[-1] if isinstance(arg, tuple) else arg
             else:
+                # s = super(): no attribute of it is loaded next.
+                in_super = in_super and not op.startswith("STORE")
                 held, shown = _UNRESOLVED, ""
 
+    def _named(self, name: str, via: str) -> Iterator[tuple[str, str]]:
+        """The calls of what a string names to ``getattr`` (``"run"``, ``"invoke"``)."""
+        if name in _BODY:
+            yield f"getattr(..., {name!r}){via}", _RUNS
+        elif name.isidentifier():
+            yield from self._method(name, f" (in getattr(..., {name!r}){via})")
+
     def _method(self, name: str, via: str) -> Iterator[tuple[str, str]]:
-        """The calls of ``self.<name>``, where a class before ``locked`` defines it."""
-        held = self.followed[name] = _resolve(self.before, name)
+        """The calls of ``self.<name>``, where a class of the user's defines it (not
+        ``locked`` or Celery's ``Task``)."""
+        held = self.followed[name] = _resolve(self.own, name)
         if held is not None:
             yield from self._function(held, via)
 
@@ -286,6 +316,24 @@ def _verdict(found: list[tuple[str, str]]) -> str | None:
     return None
 
 
+def _same_module(value: Any, global_names: dict[str, Any]) -> bool:
+    """Whether ``value`` is a function of the module whose globals are ``global_names``."""
+    return type(value) is FunctionType and value.__globals__ is global_names
+
+
+def _own_classes(mro: tuple[type, ...], locked: type) -> tuple[type, ...]:
+    """The classes of ``mro`` that are neither ``locked`` nor one of its bases (Celery's)."""
+    return tuple(k for k in mro if k not in locked.__mro__)
+
+
+def _listed_after(cls: type, locked: type) -> set[type]:
+    """The classes brought by ``cls``'s bases listed after the first that brings ``locked``
+    (and that do not bring it themselves): ``class T(LockedTask, Mixin)``'s ``Mixin``."""
+    bases = cls.__bases__
+    first = next(i for i, base in enumerate(bases) if locked in base.__mro__)
+    return {k for b in bases[first + 1 :] if locked not in b.__mro__ for k in b.__mro__}
+
+
 def _resolve(classes: tuple[type, ...], name: str) -> Any:
     """What the first of ``classes`` that defines ``name`` holds there (``None``: none does)."""
     return next((k.__dict__[name] for k in classes if name in k.__dict__), None)
@@ -303,10 +351,14 @@ def _layers(call: Any) -> Iterator[Any]:
         try:
             if type(call) is FunctionType:
                 inner = call.__dict__.get("__wrapped__", _UNRESOLVED)
-            else:  # read on the type: the instance's own attributes may run a proxy's code
+            elif any(k.__module__.startswith("wrapt") for k in type(call).__mro__):
+                # A wrapt proxy's, read on its type: another proxy's (werkzeug's LocalProxy,
+                # lazy_object_proxy's) runs code of its own, a factory that may connect.
                 inner = inspect.getattr_static(type(call), "__wrapped__", _UNRESOLVED)
                 if inner is not _UNRESOLVED:
                     inner = inner.__get__(call, type(call))
+            else:
+                return
         except Exception:  # whatever a foreign object raises: taken on trust
             return
         if inner is _UNRESOLVED:

@@ -2544,6 +2544,25 @@ def test_calls_the_reading_takes_through() -> None:
     with pytest.raises(ConfigurationError, match=r"Replaced\.__call__ calls self\.run"):
         type("Unlocked", (Replaced, LockedTask), {})
 
+    def timed(call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self.invoke  # noqa: B018 (names what will run, say): read in this layer first
+            return call(self, *args, **kwargs)
+
+        return wrapper
+
+    class Timed(Task):  # what it wraps calls the body through the same method: still seen
+        def invoke(self, *args: Any, **kwargs: Any) -> Any:
+            return self.run(*args, **kwargs)
+
+        @timed
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self.invoke(*args, **kwargs)
+
+    with pytest.raises(ConfigurationError, match=r"Timed\.__call__ calls self\.run"):
+        type("Unlocked", (Timed, LockedTask), {})
+
     class Paired(Task):  # 3.13 loads x and self in one instruction: self.invoke still seen
         def invoke(self, *args: Any, **kwargs: Any) -> Any:
             return self.run(*args, **kwargs)
@@ -2553,6 +2572,89 @@ def test_calls_the_reading_takes_through() -> None:
 
     with pytest.raises(ConfigurationError, match=r"calls self\.run \(in self\.invoke\)"):
         type("Unlocked", (Paired, LockedTask), {})
+
+
+def _run_in_context(task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return task.run(*args, **kwargs)
+
+
+_task_call = Task.__call__
+
+
+def test_what_a_call_hands_on_to_outside_its_class_is_read() -> None:
+    # A function of its module that runs the body, or Celery's Task.__call__ under a name of
+    # the module's: each ran every call unlocked.
+    class Helped(Task):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return _run_in_context(self, args, kwargs)
+
+    class Aliased(Task):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return _task_call(self, *args, **kwargs)
+
+    with pytest.raises(ConfigurationError, match=r"calls task\.run \(in _run_in_context\)"):
+        type("Unlocked", (Helped, LockedTask), {})
+    with pytest.raises(ConfigurationError, match=r"calls _task_call, not super"):
+        type("Unlocked", (Aliased, LockedTask), {})
+
+
+def test_a_plain_mixin_listed_after_locked_task_is_refused_as_hidden() -> None:
+    class ContextAware:  # no task: it lands after Task itself, and never ran
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
+    with pytest.raises(
+        ConfigurationError,
+        match=r"ContextAware\.__call__ would never run: .* \(class T\(ContextAware, LockedTask\)\)",
+    ):
+        type("T", (LockedTask, ContextAware), {})
+    type("T", (ContextAware, LockedTask), {})
+    # Listed after Task by a base of the user's own, it never ran before LockedTask came either.
+    mixed = type("Mixed", (Task, ContextAware), {})
+    type("T", (mixed, LockedTask), {})
+
+
+def test_a_kept_verdict_is_read_again_where_the_classes_after_locked_task_differ() -> None:
+    class Named(Task):  # no __call__ of its own: super(Named, self) goes on to what follows it
+        pass
+
+    class Reaching(Named):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super(Named, self).__call__(*args, **kwargs)
+
+    type("First", (Reaching, LockedTask), {})  # Named before LockedTask: it reaches it
+    named_after = type("NamedAfter", (LockedTask, Named), {})
+    with pytest.raises(ConfigurationError, match=r"calls super\(Named, self\)\.__call__"):
+        type("Second", (Reaching, named_after), {})  # Named after LockedTask: it skips it
+
+
+def test_reading_a_base_runs_none_of_its_attributes_code_and_takes_any_class() -> None:
+    ran: list[str] = []
+
+    class Lazy:  # as werkzeug's LocalProxy, lazy_object_proxy: __wrapped__ runs a factory
+        @property
+        def __wrapped__(self) -> Any:
+            ran.append("factory")
+            return lambda: None
+
+        def __call__(self) -> None:
+            pass
+
+    class Unhashable(type):  # a metaclass with __eq__ and no __hash__
+        def __eq__(cls, other: object) -> bool:
+            return cls is other
+
+        __hash__ = None  # type: ignore[assignment]
+
+    class Client(Task, metaclass=Unhashable):
+        client = Lazy()
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            self.client()
+            return super().__call__(*args, **kwargs)
+
+    type("Locked", (Client, LockedTask), {})
+    assert ran == []
 
 
 def test_a_long_call_s_code_is_read_whole() -> None:
