@@ -18,7 +18,8 @@ functions a wrapper's closure holds), each judged on its own. A call of the body
 the same layer also calls a ``__call__`` that reaches ``LockedTask``'s (a choice between the two).
 Names are resolved without running any code of theirs: an instance (a proxy) is not looked into.
 What is no Python function (compiled code, a ``partialmethod``, a wrapt proxy's wrapper), a function
-of another module or class, and a name the check cannot resolve are taken on trust. """
+of another module or class, and a name the check cannot resolve are taken on trust.
+"""
 
 from __future__ import annotations
 
