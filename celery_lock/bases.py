@@ -8,17 +8,18 @@ both are refused when the class is created (:func:`check_call_order`).
 
 Whether a ``__call__`` calls the body itself is read from its code (:mod:`dis`), so only what its
 code says is known: a call of ``run`` (or of ``__wrapped__``, the function a task was made of) on
-anything, ``getattr(..., "run")``, Celery's own ``Task.__call__`` however it is named
-(``X.__call__`` where ``X``, a global or a closure variable, is a task class whose ``__call__`` is
-``Task``'s), or ``super(X, self).__call__`` where ``X`` comes at or after ``LockedTask``. Read with
-it: the functions it defines inside, the functions of its own module it calls, and what it uses on
-``self`` (or names to ``getattr``) that a class of the user's defines (not ``LockedTask`` or
-Celery's ``Task``). A decorated ``__call__`` is read layer by layer (``__wrapped__``, or the
-functions a wrapper's closure holds), each judged on its own. A call of the body is forgiven where
-the same layer also calls a ``__call__`` that reaches ``LockedTask``'s (a choice between the two).
-Names are resolved without running any code of theirs: an instance (a proxy) is not looked into.
-What is no Python function (compiled code, a ``partialmethod``, a wrapt proxy's wrapper), a function
-of another module or class, and a name the check cannot resolve are taken on trust.
+anything but a module or a class that is no task (``subprocess.run``), ``getattr(..., "run")``,
+Celery's own ``Task.__call__`` however it is named (``X.__call__`` where ``X``, a global or a
+closure variable, is a task class whose ``__call__`` is ``Task``'s), or ``super(X, self).__call__``
+where ``X`` comes at or after ``LockedTask``. Read with it: the functions it defines inside, the
+functions of its own module it calls, and what it uses on ``self`` (or names to ``getattr``) that a
+class of the user's defines (not ``LockedTask`` or Celery's ``Task``). A decorated ``__call__`` is
+read layer by layer (``__wrapped__``, or the functions a wrapper's closure holds), each judged on
+its own. A call of the body is forgiven where the same layer also calls a ``__call__`` that reaches
+``LockedTask``'s (a choice between the two). Names are resolved without running any code of theirs:
+an instance (a proxy) is not looked into. What is no Python function (compiled code, a
+``partialmethod``, a wrapt proxy's wrapper), a function of another module or class, and a name the
+check cannot resolve are taken on trust.
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ def check_call_order(cls: type, locked: type) -> None:
         k
         for k in mro[at + 1 :]
         if "__call__" in k.__dict__
-        and (k in mro[: mro.index(Task)] or (k not in Task.__mro__ and k in later))
+        and (
+            k in mro[: mro.index(Task)]
+            or (k not in Task.__mro__ and k in later and _wraps_a_call(cls, locked, k))
+        )
     ]
     if not hidden:
         return
@@ -137,8 +141,8 @@ class _Accepted:
         own = _own_classes(mro, locked)
         return (
             call is self.call
-            and mro[mro.index(locked) :] == self.after
-            and all(_resolve(own, name) is held for name, held in self.followed.items())
+            and _same(mro[mro.index(locked) :], self.after)
+            and all(_readable(_resolve(own, name)) is held for name, held in self.followed.items())
         )
 
 
@@ -179,8 +183,8 @@ class _Reader:
                 bypass = _verdict(list(self._layer(layer, via="")))
                 if bypass:
                     return bypass
-        except RecursionError:  # hundreds of methods deep: nothing a task class writes
-            return None
+        except Exception:  # hundreds of methods deep, or an object no reader foresaw: trusted,
+            return None  # as the check must never break an import it cannot judge
         return None
 
     def _function(self, call: Any, via: str) -> Iterator[tuple[str, str]]:
@@ -226,7 +230,12 @@ class _Reader:
         shown = ""  # and how the code names it
         in_super = False  # a super(...) is being built: its attribute is the next one loaded
         super_of: Any = None  # the class it names, if any (3.12 names __class__ for super())
-        for op, arg in _instructions(code):
+        instructions = _instructions(code)
+        if "super" in code.co_names and "__call__" in (*code.co_names, *code.co_consts):
+            # s = super(); s.__call__(...), getattr(super(), "__call__")(...): read loosely, as
+            # reaching it (a super(LockedTask, self) is still told below, and refused).
+            yield "super().__call__", _REACHES
+        for at, (op, arg) in enumerate(instructions):
             if op in _GLOBAL_LOADS or op in _CELL_LOADS:
                 if op in _CELL_LOADS:
                     value = cells.get(arg, _UNRESOLVED)
@@ -234,8 +243,8 @@ class _Reader:
                     value = global_names.get(arg, getattr(builtins, arg, _UNRESOLVED))
                 if id(value) in self.wrapped:  # a wrapper calling what it wraps, read apart
                     yield arg, _REACHES
-                elif value is Task.__call__:  # Celery's, under another name
-                    yield f"{arg}{via}", _SKIPS
+                elif value is Task.__call__ and not _compared(instructions, at):
+                    yield f"{arg}{via}", _SKIPS  # Celery's, under another name
                 elif op in _GLOBAL_LOADS and _same_module(value, global_names):
                     # A function of the same module it hands on to (_run_in_context(self)).
                     yield from self._function(value, f" (in {arg}{via})")
@@ -251,14 +260,8 @@ class _Reader:
                 in_super, super_of = False, None
                 held, shown = _UNRESOLVED, ""
             elif op in _ATTRIBUTE_LOADS:
-                if arg in _BODY:
-                    yield f"{shown or '(...)'}.{arg}{via}", _RUNS
-                elif arg == "__call__" and _is_class(held):
-                    kind = self._named_call(held)
-                    if kind is not None:
-                        yield f"{shown}.__call__{via}", kind
-                elif shown == self_name and self_name:
-                    yield from self._method(arg, f" (in {shown}.{arg}{via})")
+                compared = _compared(instructions, at)
+                yield from self._on_attribute(held, shown, arg, self_name, via, compared)
                 held = _attribute(held, arg)
                 shown = f"{shown}.{arg}" if shown else ""
             elif op == "LOAD_CONST" and isinstance(arg, CodeType):
@@ -277,6 +280,21 @@ class _Reader:
                 in_super = in_super and not op.startswith("STORE")
                 held, shown = _UNRESOLVED, ""
 
+    def _on_attribute(
+        self, held: Any, shown: str, name: str, self_name: str, via: str, compared: bool
+    ) -> Iterator[tuple[str, str]]:
+        """What loading ``held.<name>`` (``shown`` in the code) calls: the body, a class's
+        ``__call__`` (not where it is only compared: ``is Task.__call__``), or a method of the
+        user's on ``self``, read in turn."""
+        if name in _BODY and not _no_task(held):  # subprocess.run is no task's body
+            yield f"{shown or '(...)'}.{name}{via}", _RUNS
+        elif name == "__call__" and _is_class(held) and not compared:
+            kind = self._named_call(held)
+            if kind is not None:
+                yield f"{shown}.__call__{via}", kind
+        elif shown == self_name and self_name:
+            yield from self._method(name, f" (in {shown}.{name}{via})")
+
     def _named(self, name: str, via: str) -> Iterator[tuple[str, str]]:
         """The calls of what a string names to ``getattr`` (``"run"``, ``"invoke"``)."""
         if name in _BODY:
@@ -287,7 +305,7 @@ class _Reader:
     def _method(self, name: str, via: str) -> Iterator[tuple[str, str]]:
         """The calls of ``self.<name>``, where a class of the user's defines it (not
         ``locked`` or Celery's ``Task``)."""
-        held = self.followed[name] = _resolve(self.own, name)
+        held = self.followed[name] = _readable(_resolve(self.own, name))
         if held is not None:
             yield from self._function(held, via)
 
@@ -322,6 +340,11 @@ def _same_module(value: Any, global_names: dict[str, Any]) -> bool:
     return type(value) is FunctionType and value.__globals__ is global_names
 
 
+def _same(these: tuple[type, ...], those: tuple[type, ...]) -> bool:
+    """Whether two orders hold the same classes (by identity: a metaclass may define ``==``)."""
+    return len(these) == len(those) and all(a is b for a, b in zip(these, those, strict=True))
+
+
 def _own_classes(mro: tuple[type, ...], locked: type) -> tuple[type, ...]:
     """The classes of ``mro`` that are neither ``locked`` nor one of its bases (Celery's)."""
     return tuple(k for k in mro if k not in locked.__mro__)
@@ -332,7 +355,58 @@ def _listed_after(cls: type, locked: type) -> set[type]:
     (and that do not bring it themselves): ``class T(LockedTask, Mixin)``'s ``Mixin``."""
     bases = cls.__bases__
     first = next(i for i, base in enumerate(bases) if locked in base.__mro__)
-    return {k for b in bases[first + 1 :] if locked not in b.__mro__ for k in b.__mro__}
+    # A later task base's classes after Task were behind Task.__call__ there too: never ran.
+    return {
+        k
+        for b in bases[first + 1 :]
+        if locked not in b.__mro__
+        for k in (b.__mro__[: b.__mro__.index(Task)] if Task in b.__mro__ else b.__mro__)
+    }
+
+
+def _wraps_a_call(cls: type, locked: type, klass: type) -> bool:
+    """Whether a plain class's ``__call__`` is written to wrap a task's call: it calls
+    ``super().__call__`` or the body. A ``Protocol``'s stub, ``collections.abc.Callable``'s, or
+    a callable config object's own ``__call__`` is not, and was never meant to run first."""
+    mro = cls.__mro__
+    reader = _Reader(cls, locked, before=(*mro[: mro.index(locked)], klass))
+    found: list[tuple[str, str]] = []
+    with contextlib.suppress(Exception):  # as in _Reader.bypass: what cannot be read is trusted
+        for layer in _layers(klass.__dict__["__call__"]):
+            reader.read = set()
+            found += reader._layer(layer, via="")
+    return any(kind in (_REACHES, _RUNS) for _, kind in found)
+
+
+def _compared(instructions: tuple[tuple[str, Any], ...], at: int) -> bool:
+    """Whether what the instruction at ``at`` loads is compared next (``is Task.__call__``),
+    not called."""
+    following = (op for op, _ in instructions[at + 1 :] if op != "EXTENDED_ARG")
+    return next(following, "") in {"IS_OP", "COMPARE_OP", "CONTAINS_OP"}
+
+
+def _no_task(value: Any) -> bool:
+    """Whether ``value`` resolved to a module or to a class that is no task class, whose
+    ``run`` is no task's body (``subprocess.run``, ``asyncio.run``)."""
+    if issubclass(type(value), ModuleType):
+        return True
+    return _is_class(value) and not issubclass(value, Task)
+
+
+def _readable(value: Any) -> Any:
+    """``value`` where the reader reads it (a function, a static or class method's, a wrapt
+    proxy), else ``None``: a task option's value (``self.name``, ``self.queue``), which each
+    task class holds its own of, does not make a kept verdict read again."""
+    if type(value) in (FunctionType, staticmethod, classmethod) or _is_wrapt(value):
+        return value
+    return None
+
+
+def _is_wrapt(value: Any) -> bool:
+    """Whether ``value`` is a wrapt proxy (its type is wrapt's). A proxy type of another
+    library may make ``__module__`` a property: no ``str``, no wrapt."""
+    modules = (getattr(k, "__module__", None) for k in type(value).__mro__)
+    return any(isinstance(module, str) and module.startswith("wrapt") for module in modules)
 
 
 def _resolve(classes: tuple[type, ...], name: str) -> Any:
@@ -345,14 +419,14 @@ def _layers(call: Any) -> Iterator[Any]:
     (``functools.wraps``) or its type gives it (wrapt's proxies), never one a ``__getattr__``
     would make (a proxy's, which may load or finalize an app). Stops at a loop, and at what
     cannot be read."""
-    seen: set[int] = set()
+    seen: set[int] = {id(Task.__call__)}  # wraps(Task.__call__) copied its name only
     while id(call) not in seen:
         seen.add(id(call))
         yield call
         try:
             if type(call) is FunctionType:
                 inner = call.__dict__.get("__wrapped__", _UNRESOLVED)
-            elif any(k.__module__.startswith("wrapt") for k in type(call).__mro__):
+            elif _is_wrapt(call):
                 # A wrapt proxy's, read on its type: another proxy's (werkzeug's LocalProxy,
                 # lazy_object_proxy's) runs code of its own, a factory that may connect.
                 inner = inspect.getattr_static(type(call), "__wrapped__", _UNRESOLVED)
