@@ -29,11 +29,12 @@ import contextlib
 import dis
 import functools
 import inspect
+import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import CodeType, FunctionType, ModuleType
-from typing import Any
+from typing import Any, TypeGuard
 
 from celery import Task
 
@@ -138,6 +139,12 @@ class _Accepted:
         """Whether the verdict holds for a class of order ``mro``: the same ``__call__`` (not
         one set on the class since), the same classes at and after ``locked``, and each name it
         called on ``self`` resolving as it did (not overridden by a class made since)."""
+        try:
+            return self._holds(call, mro, locked)
+        except Exception:  # an object no reader foresaw: read again, where it is trusted
+            return False
+
+    def _holds(self, call: Any, mro: tuple[type, ...], locked: type) -> bool:
         own = _own_classes(mro, locked)
         return (
             call is self.call
@@ -196,7 +203,7 @@ class _Reader:
 
     def _layer(self, function: Any, via: str) -> Iterator[tuple[str, str]]:
         """The calls of one Python function (a static or class method's), if it is one."""
-        if type(function) in (staticmethod, classmethod):
+        if type(function) is staticmethod or type(function) is classmethod:
             function = function.__func__
         if type(function) is not FunctionType or function is self.locked.__call__:
             return
@@ -231,10 +238,6 @@ class _Reader:
         in_super = False  # a super(...) is being built: its attribute is the next one loaded
         super_of: Any = None  # the class it names, if any (3.12 names __class__ for super())
         instructions = _instructions(code)
-        if "super" in code.co_names and "__call__" in (*code.co_names, *code.co_consts):
-            # s = super(); s.__call__(...), getattr(super(), "__call__")(...): read loosely, as
-            # reaching it (a super(LockedTask, self) is still told below, and refused).
-            yield "super().__call__", _REACHES
         for at, (op, arg) in enumerate(instructions):
             if op in _GLOBAL_LOADS or op in _CELL_LOADS:
                 if op in _CELL_LOADS:
@@ -243,7 +246,7 @@ class _Reader:
                     value = global_names.get(arg, getattr(builtins, arg, _UNRESOLVED))
                 if id(value) in self.wrapped:  # a wrapper calling what it wraps, read apart
                     yield arg, _REACHES
-                elif value is Task.__call__ and not _compared(instructions, at):
+                elif value is Task.__call__ and _on_self(instructions, at, self_name):
                     yield f"{arg}{via}", _SKIPS  # Celery's, under another name
                 elif op in _GLOBAL_LOADS and _same_module(value, global_names):
                     # A function of the same module it hands on to (_run_in_context(self)).
@@ -260,8 +263,8 @@ class _Reader:
                 in_super, super_of = False, None
                 held, shown = _UNRESOLVED, ""
             elif op in _ATTRIBUTE_LOADS:
-                compared = _compared(instructions, at)
-                yield from self._on_attribute(held, shown, arg, self_name, via, compared)
+                on_self = arg == "__call__" and _on_self(instructions, at, self_name)
+                yield from self._on_attribute(held, shown, arg, self_name, via, on_self)
                 held = _attribute(held, arg)
                 shown = f"{shown}.{arg}" if shown else ""
             elif op == "LOAD_CONST" and isinstance(arg, CodeType):
@@ -281,14 +284,14 @@ class _Reader:
                 held, shown = _UNRESOLVED, ""
 
     def _on_attribute(
-        self, held: Any, shown: str, name: str, self_name: str, via: str, compared: bool
+        self, held: Any, shown: str, name: str, self_name: str, via: str, on_self: bool
     ) -> Iterator[tuple[str, str]]:
         """What loading ``held.<name>`` (``shown`` in the code) calls: the body, a class's
-        ``__call__`` (not where it is only compared: ``is Task.__call__``), or a method of the
-        user's on ``self``, read in turn."""
+        ``__call__`` (where it is called on ``self``: not where it is only compared, as in
+        ``is Task.__call__``), or a method of the user's on ``self``, read in turn."""
         if name in _BODY and not _no_task(held):  # subprocess.run is no task's body
             yield f"{shown or '(...)'}.{name}{via}", _RUNS
-        elif name == "__call__" and _is_class(held) and not compared:
+        elif name == "__call__" and _is_class(held) and on_self:
             kind = self._named_call(held)
             if kind is not None:
                 yield f"{shown}.__call__{via}", kind
@@ -375,14 +378,23 @@ def _wraps_a_call(cls: type, locked: type, klass: type) -> bool:
         for layer in _layers(klass.__dict__["__call__"]):
             reader.read = set()
             found += reader._layer(layer, via="")
-    return any(kind in (_REACHES, _RUNS) for _, kind in found)
+    # Its own body call only (self.run): a .run of something it holds (a context's, a step's)
+    # is no task's.
+    return any(kind == _REACHES or what.startswith("self.") for what, kind in found)
 
 
-def _compared(instructions: tuple[tuple[str, Any], ...], at: int) -> bool:
-    """Whether what the instruction at ``at`` loads is compared next (``is Task.__call__``),
-    not called."""
-    following = (op for op, _ in instructions[at + 1 :] if op != "EXTENDED_ARG")
-    return next(following, "") in {"IS_OP", "COMPARE_OP", "CONTAINS_OP"}
+def _on_self(instructions: tuple[tuple[str, Any], ...], at: int, self_name: str) -> bool:
+    """Whether what the instruction at ``at`` loads is called on the task (``self``, its first
+    argument next): ``Task.__call__(self, ...)``, not ``Task.__call__ is type(self).__call__``
+    or ``X in (Task.__call__, ...)``, which only compare it."""
+    following = (
+        (op, arg) for op, arg in instructions[at + 1 :] if op not in {"EXTENDED_ARG", "PUSH_NULL"}
+    )
+    op, arg = next(following, ("", None))
+    if not self_name or not (op in _FAST_LOADS or op in _CELL_LOADS):
+        return False
+    # 3.13 loads two at once: Task.__call__(self, args) loads (self, args).
+    return (arg[0] if isinstance(arg, tuple) and arg else arg) == self_name
 
 
 def _no_task(value: Any) -> bool:
@@ -397,16 +409,20 @@ def _readable(value: Any) -> Any:
     """``value`` where the reader reads it (a function, a static or class method's, a wrapt
     proxy), else ``None``: a task option's value (``self.name``, ``self.queue``), which each
     task class holds its own of, does not make a kept verdict read again."""
-    if type(value) in (FunctionType, staticmethod, classmethod) or _is_wrapt(value):
+    if any(type(value) is kind for kind in (FunctionType, staticmethod, classmethod)):
+        return value  # compared by identity: a foreign metaclass's == may raise
+    if _is_wrapt(value):
         return value
     return None
 
 
 def _is_wrapt(value: Any) -> bool:
-    """Whether ``value`` is a wrapt proxy (its type is wrapt's). A proxy type of another
-    library may make ``__module__`` a property: no ``str``, no wrapt."""
-    modules = (getattr(k, "__module__", None) for k in type(value).__mro__)
-    return any(isinstance(module, str) and module.startswith("wrapt") for module in modules)
+    """Whether ``value`` is a wrapt proxy: its type derives from wrapt's, if wrapt was imported
+    (wrapt 2 names its base ``BaseObjectProxy``, wrapt 1 ``ObjectProxy``)."""
+    wrapt = sys.modules.get("wrapt")
+    names = ("BaseObjectProxy", "ObjectProxy") if wrapt else ()
+    bases: list[type] = [b for b in (getattr(wrapt, n, None) for n in names) if _is_class(b)]
+    return any(issubclass(type(value), base) for base in bases)
 
 
 def _resolve(classes: tuple[type, ...], name: str) -> Any:
@@ -429,9 +445,7 @@ def _layers(call: Any) -> Iterator[Any]:
             elif _is_wrapt(call):
                 # A wrapt proxy's, read on its type: another proxy's (werkzeug's LocalProxy,
                 # lazy_object_proxy's) runs code of its own, a factory that may connect.
-                inner = inspect.getattr_static(type(call), "__wrapped__", _UNRESOLVED)
-                if inner is not _UNRESOLVED:
-                    inner = inner.__get__(call, type(call))
+                inner = object.__getattribute__(call, "__wrapped__")  # no __getattr__ run
             else:
                 return
         except Exception:  # whatever a foreign object raises: taken on trust
@@ -441,7 +455,7 @@ def _layers(call: Any) -> Iterator[Any]:
         call = inner
 
 
-def _is_class(value: Any) -> bool:
+def _is_class(value: Any) -> TypeGuard[type]:
     """Whether ``value`` is a class, asked of its type: ``isinstance`` would ask a proxy's
     ``__class__``, which runs its code (a ``shared_task``'s finalizes its app)."""
     return issubclass(type(value), type)

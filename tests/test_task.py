@@ -2371,6 +2371,17 @@ class _Hooked(Task):  # a __call__ of something unknown does not reach LockedTas
         return self.run(*args, **kwargs)
 
 
+class _Telemetry(Task):  # a structlog-style context around self.run
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        context = {"task.id": self.request.id, "request.id": kwargs.pop("_request_id", None)}
+        logging.getLogger(self.name).debug("context %s", context)
+        try:
+            result = self.run(*args, **kwargs)
+            return result
+        finally:
+            context.clear()
+
+
 class _TaskCall(Task):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return Task.__call__(self, *args, **kwargs)
@@ -2389,6 +2400,7 @@ class _TaskCall(Task):
         (_ByName, "getattr(..., 'run')"),
         (_SuperOfLocked, "super(LockedTask, self).__call__"),
         (_TaskCall, "Task.__call__"),
+        (_Telemetry, "self.run"),
     ],
     ids=[
         "flask-before-1.0",
@@ -2401,6 +2413,7 @@ class _TaskCall(Task):
         "getattr",
         "super-of-locked-task",
         "task-call",
+        "telemetry",
     ],
 )
 def test_a_base_running_the_body_without_locked_task_s_call_is_refused(
@@ -2690,14 +2703,38 @@ def test_correct_classes_the_reading_must_not_refuse() -> None:
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             return super().__call__(*args, **kwargs)
 
-    class Compared(Task):  # Task.__call__ compared, not called
+    class Compared(Task):  # Task.__call__ compared, not called, whichever side it is on
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             if type(self).__call__ is not Task.__call__:
+                _notify()
+            if Task.__call__ is type(self).__call__ or type(self).__call__ in (Task.__call__,):
                 _notify()
             return super().__call__(*args, **kwargs)
 
     for base in (Stored, Copied, Compared):
         type("Locked", (base, LockedTask), {})
+
+
+def test_a_kept_verdict_read_against_a_foreign_object_does_not_break_an_import() -> None:
+    class Raising(type):  # a foreign metaclass whose __module__ raises
+        @property
+        def __module__(cls) -> str:  # type: ignore[override]
+            raise RuntimeError("no module")
+
+    class Handle(metaclass=Raising):
+        pass
+
+    class Helped(Task):
+        def helper(self) -> int:
+            return 1
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            self.helper()
+            return super().__call__(*args, **kwargs)
+
+    type("First", (Helped, LockedTask), {})
+    # The kept verdict is checked against what self.helper is here: a foreign object.
+    type("Second", (Helped, LockedTask), {"helper": Handle()})
 
 
 def test_a_base_is_read_once_for_every_task_class_made_of_it() -> None:
