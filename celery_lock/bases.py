@@ -48,10 +48,13 @@ _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 _FAST_LOADS = frozenset(
     {
         "LOAD_FAST", "LOAD_CLOSURE", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR",
-        "LOAD_FAST_LOAD_FAST", "STORE_FAST_LOAD_FAST",
+        "LOAD_FAST_LOAD_FAST", "STORE_FAST_LOAD_FAST", "LOAD_FAST_BORROW",
+        "LOAD_FAST_BORROW_LOAD_FAST_BORROW",
     }
 )  # fmt: skip
 _UNRESOLVED = object()
+_COMPARISONS = frozenset({"IS_OP", "COMPARE_OP", "CONTAINS_OP"})
+_CALLS = ("CALL", "PRECALL")  # CALL, CALL_FUNCTION, CALL_METHOD, CALL_FUNCTION_EX, CALL_KW, ...
 #: The attributes that are a task's body: ``run``, and the function a task was made of.
 _BODY = frozenset({"run", "__wrapped__"})
 
@@ -246,7 +249,7 @@ class _Reader:
                     value = global_names.get(arg, getattr(builtins, arg, _UNRESOLVED))
                 if id(value) in self.wrapped:  # a wrapper calling what it wraps, read apart
                     yield arg, _REACHES
-                elif value is Task.__call__ and _on_self(instructions, at, self_name):
+                elif value is Task.__call__ and not _compared(instructions, at):
                     yield f"{arg}{via}", _SKIPS  # Celery's, under another name
                 elif op in _GLOBAL_LOADS and _same_module(value, global_names):
                     # A function of the same module it hands on to (_run_in_context(self)).
@@ -263,8 +266,8 @@ class _Reader:
                 in_super, super_of = False, None
                 held, shown = _UNRESOLVED, ""
             elif op in _ATTRIBUTE_LOADS:
-                on_self = arg == "__call__" and _on_self(instructions, at, self_name)
-                yield from self._on_attribute(held, shown, arg, self_name, via, on_self)
+                compared = arg == "__call__" and _compared(instructions, at)
+                yield from self._on_attribute(held, shown, arg, self_name, via, compared)
                 held = _attribute(held, arg)
                 shown = f"{shown}.{arg}" if shown else ""
             elif op == "LOAD_CONST" and isinstance(arg, CodeType):
@@ -284,14 +287,14 @@ class _Reader:
                 held, shown = _UNRESOLVED, ""
 
     def _on_attribute(
-        self, held: Any, shown: str, name: str, self_name: str, via: str, on_self: bool
+        self, held: Any, shown: str, name: str, self_name: str, via: str, compared: bool
     ) -> Iterator[tuple[str, str]]:
         """What loading ``held.<name>`` (``shown`` in the code) calls: the body, a class's
-        ``__call__`` (where it is called on ``self``: not where it is only compared, as in
-        ``is Task.__call__``), or a method of the user's on ``self``, read in turn."""
+        ``__call__`` (not where it is only compared, as in ``is Task.__call__``), or a method
+        of the user's on ``self``, read in turn."""
         if name in _BODY and not _no_task(held):  # subprocess.run is no task's body
             yield f"{shown or '(...)'}.{name}{via}", _RUNS
-        elif name == "__call__" and _is_class(held) and on_self:
+        elif name == "__call__" and _is_class(held) and not compared:
             kind = self._named_call(held)
             if kind is not None:
                 yield f"{shown}.__call__{via}", kind
@@ -308,7 +311,10 @@ class _Reader:
     def _method(self, name: str, via: str) -> Iterator[tuple[str, str]]:
         """The calls of ``self.<name>``, where a class of the user's defines it (not
         ``locked`` or Celery's ``Task``)."""
-        held = self.followed[name] = _readable(_resolve(self.own, name))
+        found = _resolve(self.own, name)
+        if found is Task.__call__:  # base_call = Task.__call__, called as self.base_call(...)
+            yield f"Task.__call__{via}", _SKIPS
+        held = self.followed[name] = _readable(found)
         if held is not None:
             yield from self._function(held, via)
 
@@ -383,18 +389,20 @@ def _wraps_a_call(cls: type, locked: type, klass: type) -> bool:
     return any(kind == _REACHES or what.startswith("self.") for what, kind in found)
 
 
-def _on_self(instructions: tuple[tuple[str, Any], ...], at: int, self_name: str) -> bool:
-    """Whether what the instruction at ``at`` loads is called on the task (``self``, its first
-    argument next): ``Task.__call__(self, ...)``, not ``Task.__call__ is type(self).__call__``
-    or ``X in (Task.__call__, ...)``, which only compare it."""
-    following = (
-        (op, arg) for op, arg in instructions[at + 1 :] if op not in {"EXTENDED_ARG", "PUSH_NULL"}
-    )
-    op, arg = next(following, ("", None))
-    if not self_name or not (op in _FAST_LOADS or op in _CELL_LOADS):
-        return False
-    # 3.13 loads two at once: Task.__call__(self, args) loads (self, args).
-    return (arg[0] if isinstance(arg, tuple) and arg else arg) == self_name
+def _compared(instructions: tuple[tuple[str, Any], ...], at: int) -> bool:
+    """Whether what the instruction at ``at`` loads (``Task.__call__``) is only compared: a
+    comparison (``is``, ``==``, ``in``) comes before anything that could call it, store it or
+    hand it on (``Task.__call__ is self.__class__.__call__``, ``x in (Task.__call__, ...)``),
+    and its result is not an argument of a call after it (``Task.__call__(self, a == b)``).
+    Told so only where sure: anything else counts as a call."""
+    following = [op for op, _ in instructions[at + 1 :] if op != "EXTENDED_ARG"]
+    for index, op in enumerate(following):
+        if op in _COMPARISONS:
+            after = (op for op in following[index + 1 :] if not op.startswith("LOAD"))
+            return not next(after, "").startswith(_CALLS)
+        if op.startswith((*_CALLS, "STORE", "POP", "RETURN", "YIELD", "JUMP", "RAISE")):
+            return False
+    return False
 
 
 def _no_task(value: Any) -> bool:

@@ -2382,6 +2382,24 @@ class _Telemetry(Task):  # a structlog-style context around self.run
             context.clear()
 
 
+class _Aliased(Task):  # Task.__call__ called through a local name, on another name of self
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call, task = Task.__call__, self
+        return call(task, *args, **kwargs)
+
+
+class _Starred(Task):  # no self parameter: self is in args
+    def __call__(*args: Any, **kwargs: Any) -> Any:
+        return Task.__call__(*args, **kwargs)
+
+
+class _Kept(Task):  # Task.__call__ kept as an attribute, called on self
+    base_call = Task.__call__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.base_call(*args, **kwargs)
+
+
 class _TaskCall(Task):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return Task.__call__(self, *args, **kwargs)
@@ -2401,6 +2419,9 @@ class _TaskCall(Task):
         (_SuperOfLocked, "super(LockedTask, self).__call__"),
         (_TaskCall, "Task.__call__"),
         (_Telemetry, "self.run"),
+        (_Aliased, "Task.__call__"),
+        (_Starred, "Task.__call__"),
+        (_Kept, "Task.__call__ (in self.base_call)"),
     ],
     ids=[
         "flask-before-1.0",
@@ -2414,6 +2435,9 @@ class _TaskCall(Task):
         "super-of-locked-task",
         "task-call",
         "telemetry",
+        "task-call-aliased",
+        "task-call-starred",
+        "task-call-kept",
     ],
 )
 def test_a_base_running_the_body_without_locked_task_s_call_is_refused(
@@ -2707,7 +2731,7 @@ def test_correct_classes_the_reading_must_not_refuse() -> None:
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             if type(self).__call__ is not Task.__call__:
                 _notify()
-            if Task.__call__ is type(self).__call__ or type(self).__call__ in (Task.__call__,):
+            if Task.__call__ is self.__class__.__call__ or type(self).__call__ in (Task.__call__,):
                 _notify()
             return super().__call__(*args, **kwargs)
 
