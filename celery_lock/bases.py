@@ -98,12 +98,13 @@ def check_call_order(cls: type, locked: type) -> None:
     # base listed after LockedTask brings; one that the user's own base lists after Task never
     # ran before LockedTask either.
     later = _listed_after(cls, locked)
+    task_classes = mro[at + 1 : mro.index(Task)]
     hidden = [
         k
         for k in mro[at + 1 :]
         if "__call__" in k.__dict__
         and (
-            k in mro[: mro.index(Task)]
+            k in task_classes
             or (k not in Task.__mro__ and k in later and _wraps_a_call(cls, locked, k))
         )
     ]
@@ -359,16 +360,21 @@ def _own_classes(mro: tuple[type, ...], locked: type) -> tuple[type, ...]:
     return tuple(k for k in mro if k not in locked.__mro__)
 
 
-def _listed_after(cls: type, locked: type) -> set[type]:
-    """The classes brought by ``cls``'s bases listed after the first that brings ``locked``
-    (and that do not bring it themselves): ``class T(LockedTask, Mixin)``'s ``Mixin``."""
-    bases = cls.__bases__
+def _bases_after(cls: type, locked: type) -> tuple[list[type], int, list[type]]:
+    """``cls``'s bases, the index of the first that brings ``locked``, and the bases listed
+    after it that do not bring it themselves (``class T(LockedTask, Mixin)``'s ``Mixin``)."""
+    bases = list(cls.__bases__)
     first = next(i for i, base in enumerate(bases) if locked in base.__mro__)
+    return bases, first, [b for b in bases[first + 1 :] if locked not in b.__mro__]
+
+
+def _listed_after(cls: type, locked: type) -> set[type]:
+    """The classes brought by the bases :func:`_bases_after` finds listed after ``locked``'s."""
+    _, _, after = _bases_after(cls, locked)
     # A later task base's classes after Task were behind Task.__call__ there too: never ran.
     return {
         k
-        for b in bases[first + 1 :]
-        if locked not in b.__mro__
+        for b in after
         for k in (b.__mro__[: b.__mro__.index(Task)] if Task in b.__mro__ else b.__mro__)
     }
 
@@ -489,13 +495,8 @@ def _order_that_runs(cls: type, hidden: list[type], locked: type) -> str:
     """How to list ``cls``'s bases so that each of ``hidden``'s ``__call__`` comes before
     ``locked``'s: each base listed after the first that brings ``locked`` and that brings one
     of ``hidden`` is moved before that one."""
-    bases = list(cls.__bases__)
-    first = next(i for i, base in enumerate(bases) if locked in base.__mro__)
-    moved = [
-        b
-        for b in bases[first + 1 :]
-        if locked not in b.__mro__ and any(h in b.__mro__ for h in hidden)
-    ]
+    bases, first, after = _bases_after(cls, locked)
+    moved = [b for b in after if any(h in b.__mro__ for h in hidden)]
     if not moved:
         return f"list {_shown_class(hidden[0])} before LockedTask"
     order = bases[:first] + moved + [b for b in bases[first:] if b not in moved]

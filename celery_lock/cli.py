@@ -708,8 +708,7 @@ def show_command(ctx: click.Context, key: str) -> None:
         lines.append("lease     none")
     else:
         age = "-" if lease["age_s"] is None else f"{lease['age_s']:.1f}s"
-        task_id, task, worker = (_printable(lease[f]) for f in ("task_id", "task", "worker"))
-        lines += [f"holder    {task_id} ({task}) on {worker}",
+        lines += [f"holder    {_holder(LeaseInfo(**lease))}",
                   f"age       {age}, {_left(lease['ttl_left_s'])}"]  # fmt: skip
     lines.append(f"fence     {_fence_shown(lease, info['fence'])}")
     lines += [f"done      {_printable(task)} {_how_done(d)} ({_left(d['ttl_left_s'], 0)})"
