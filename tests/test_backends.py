@@ -10,6 +10,7 @@ complete it as ``SUCCESS`` under ``skip_as_success``, show a deferred copy as ``
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -103,11 +104,13 @@ def worker(tasks: dict[str, Any], celery_worker: TestWorkController) -> TestWork
 
 
 @pytest.fixture
-def unused_port() -> int:
-    """A local port nothing listens on."""
+def unused_port() -> Iterator[int]:
+    """A local port nothing listens on, held bound (not listening: a connection is refused) for
+    the test: let go at once, another test's redis-server could start on it, and the copy would
+    run instead of being deferred (a CI run under load)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        yield int(sock.getsockname()[1])
 
 
 def test_a_skipped_copy_reads_skipped_with_its_marker_and_is_not_ready(
